@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative-decoding statistics, per request and (summed) per engine."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_target_forwards: int = 0              # decode forwards of the target for this request
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft > 0:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft
+            self.num_accepted_tokens += num_accepted
+            if len(self.accepted_per_position) < num_draft:
+                self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+            for i in range(num_accepted):
+                self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_target_forwards += other.num_target_forwards
+        if len(self.accepted_per_position) < len(other.accepted_per_position):
+            self.accepted_per_position.extend([0] * (len(other.accepted_per_position) - len(self.accepted_per_position)))
+        for i, n in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += n
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens gained per drafted target forward: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "num_target_forwards": self.num_target_forwards,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    """One request's token state. token_ids = prompt + output; the first num_computed_tokens of them
+    have their K/V in the target's cache (the block table covers at least that many)."""
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        self.seq_id = next(_counter)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0            # leading blocks registered in the prefix cache
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None
+        self.spec = SpecStats()
+        self.num_assistant_tokens = 0         # resolved per request by the engine
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival_time = 0.0
+        self.first_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while the prompt is not fully computed (the next forward samples nothing or the first token)."""
+        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0

@@ -1,0 +1,70 @@
+"""The proposer interface: every drafting method is one class implementing it.
+
+The engine loop (schedule, propose, verify, accept) never changes when a method is added.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Draft:
+    """One step's draft for a batch of sequences.
+
+    token_ids[i] are the draft tokens of sequence i (possibly empty). For a chain, token j follows
+    token j-1; for a tree, parents[i][j] is the index of node j's parent in token_ids[i], -1 for a
+    child of the last committed token (the root). probs, when the drafter sampled its tokens, holds
+    q: probs[i, j] is the distribution node j was drawn from, over the target vocabulary
+    (shape [B, K, V], rows past len(token_ids[i]) unused). None means deterministic drafts
+    (verification treats them as one-hot q).
+    """
+    token_ids: list[list[int]]
+    probs: torch.Tensor | None = None          # [B, K, V] float32
+    parents: list[list[int]] | None = None     # tree drafts only
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+@dataclass(slots=True)
+class TargetHidden:
+    """Hidden states of the target's last forward, for the tokens it just computed.
+
+    Rows follow the flat token order of that forward; seq_rows[i] is the slice of rows of
+    sequence i. final is the target's last hidden state after the final norm; aux holds the
+    residual stream entering each layer the proposer asked for (EAGLE3), in the order asked.
+    """
+    final: torch.Tensor                        # [N, H]
+    aux: list[torch.Tensor]                    # each [N, H]
+    seq_rows: list[slice]
+
+
+class Proposer(ABC):
+    """A drafting method.
+
+    propose() is called once per engine step with the decoding sequences that want drafts and
+    how many tokens each may draft (>= 1). It may keep per-sequence state keyed by seq.seq_id,
+    and must drop it in on_finished().
+    """
+    #: layers whose input hidden states the target must return (EAGLE3); () for none
+    aux_layers: tuple[int, ...] = ()
+    #: True when the proposer keeps a KV cache that shares the target's block tables
+    uses_kv_cache: bool = False
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+        ...
+
+    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
+        """Called after every target forward with the hidden states of the tokens it computed."""
+
+    def on_finished(self, seq: Sequence) -> None:
+        """Called once when a sequence finishes or is aborted."""
