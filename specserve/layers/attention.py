@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Everything one paged forward needs besides the token ids. Built once per forward by the
+    model runner and passed explicitly: a target and a drafter run in one process.
+
+    The N new tokens are packed flat. Their K/V are written to `slot_mapping` first, then each
+    sequence attends to its `context_slots` (which include its new tokens), masked by `attn_mask`.
+    """
+    positions: torch.Tensor                 # [N] int64, rotary position of each new token
+    slot_mapping: torch.Tensor              # [N] int64, flat cache slot each new token's K/V goes to
+    context_slots: torch.Tensor             # [B, T] int64, slots each sequence attends to, padded
+    attn_mask: torch.Tensor | None          # [B, 1, Q, T] bool; None: every query sees all T slots
+    query_index: torch.Tensor | None        # [B, Q] flat row of each padded query; None when B == 1
+    output_index: torch.Tensor | None       # [N] row of each flat token in the padded [B * Q] output
+    kv_cache: torch.Tensor                  # [L, 2, S, kv_heads, head_dim]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
+    cache = ctx.kv_cache[layer]
+    cache[0].index_copy_(0, ctx.slot_mapping, k)
+    cache[1].index_copy_(0, ctx.slot_mapping, v)
+    B, T = ctx.context_slots.shape
+    slots = ctx.context_slots.view(-1)
+    keys = cache[0].index_select(0, slots).view(B, T, *k.shape[1:]).transpose(1, 2)     # [B, Hkv, T, D]
+    values = cache[1].index_select(0, slots).view(B, T, *v.shape[1:]).transpose(1, 2)
+    if ctx.query_index is None:
+        queries = q.unsqueeze(0).transpose(1, 2)                                        # [1, Hq, N, D]
+    else:
+        queries = q[ctx.query_index].transpose(1, 2)                                    # [B, Hq, Q, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.attn_mask,
+                                         enable_gqa=keys.shape[1] != queries.shape[1])
+    out = out.transpose(1, 2)                                                           # [B, Q, Hq, D]
+    if ctx.output_index is None:
+        return out.reshape(q.shape)
+    return out.reshape(-1, *q.shape[1:]).index_select(0, ctx.output_index)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Cache-free causal attention for training: q [B, T, Hq, D], k/v [B, T, Hkv, D]."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
