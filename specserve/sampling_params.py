@@ -34,6 +34,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.prompt_lookup_min is not None and self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max is not None and self.prompt_lookup_max < max(1, self.prompt_lookup_min or 1):
+            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min and >= 1, got {self.prompt_lookup_max}")
+        if self.branching_factor is not None and self.branching_factor < 1:
+            raise ValueError(f"branching_factor must be >= 1, got {self.branching_factor}")
+        if self.tree_depth is not None and self.tree_depth < 0:
+            raise ValueError(f"tree_depth must be >= 0, got {self.tree_depth}")
         if self.num_assistant_tokens is not None and self.num_assistant_tokens < 0:
             raise ValueError(f"num_assistant_tokens must be >= 0, got {self.num_assistant_tokens}")
 

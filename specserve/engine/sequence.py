@@ -76,8 +76,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
+        self.num_drafter_computed = 0         # tokens whose K/V a drafter's own cache holds
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0            # leading blocks registered in the prefix cache
+        self.output_text = ""                 # detokenized output, stop strings cut
+        self.num_emitted_chars = 0            # of output_text, already returned to the caller
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None
         self.spec = SpecStats()

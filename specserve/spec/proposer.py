@@ -36,15 +36,16 @@ class Draft:
 
 @dataclass(slots=True)
 class TargetHidden:
-    """Hidden states of the target's last forward, for the tokens it just computed.
+    """Hidden states of the target's last forward.
 
-    Rows follow the flat token order of that forward; seq_rows[i] is the slice of rows of
-    sequence i. final is the target's last hidden state after the final norm; aux holds the
-    residual stream entering each layer the proposer asked for (EAGLE3), in the order asked.
+    final holds the target's last hidden state after the final norm for every token of that
+    forward (flat, sequence after sequence); aux holds the residual stream entering each layer in
+    Proposer.aux_layers, in that order. rows[i] lists, in token order, the rows of sequence i whose
+    tokens were committed (a prompt chunk, or the last token plus the accepted draft tokens).
     """
     final: torch.Tensor                        # [N, H]
     aux: list[torch.Tensor]                    # each [N, H]
-    seq_rows: list[slice]
+    rows: list[list[int]]
 
 
 class Proposer(ABC):
@@ -58,13 +59,19 @@ class Proposer(ABC):
     aux_layers: tuple[int, ...] = ()
     #: True when the proposer keeps a KV cache that shares the target's block tables
     uses_kv_cache: bool = False
+    #: True when the proposer drafts trees (Draft.parents); requests with tree_depth > 0 need it
+    supports_tree: bool = False
+
+    def bind(self, engine) -> None:
+        """Called once the engine exists (its block size, KV budget and target model are known)."""
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
         ...
 
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
-        """Called after every target forward with the hidden states of the tokens it computed."""
+        """Called after every target forward, once its drafts are verified, with the hidden states
+        of the committed tokens (heads that read the target's states catch up here)."""
 
     def on_finished(self, seq: Sequence) -> None:
         """Called once when a sequence finishes or is aborted."""

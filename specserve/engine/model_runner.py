@@ -1,0 +1,93 @@
+"""Runs one model over a packed batch of new tokens against its own paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from specserve.layers.attention import ForwardContext
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    """The new tokens of one sequence in one forward."""
+    block_table: list[int]
+    start: int                               # cache index of the first new token; [0, start) are cached
+    token_ids: list[int]
+    positions: list[int] | None = None       # rotary positions; None: start, start + 1, ...
+    tree_mask: torch.Tensor | None = None    # [n, n] bool among the new tokens; None: causal chain
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
+                 num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_cache = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+                                    dtype=dtype, device=self.device)
+        self._arange = np.arange(1 << 16)
+
+    def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:
+        idx = self._arange[begin:end] if end <= len(self._arange) else np.arange(begin, end)
+        table = np.asarray(block_table, dtype=np.int64)
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+
+    def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        ids, positions, slot_mapping = [], [], []
+        lens = [len(it.token_ids) for it in items]
+        ctx_lens = [it.start + n for it, n in zip(items, lens)]
+        B, Q, T = len(items), max(lens), max(ctx_lens)
+        context_slots = np.zeros((B, T), dtype=np.int64)
+        for b, it in enumerate(items):
+            n = lens[b]
+            ids.extend(it.token_ids)
+            positions.extend(it.positions if it.positions is not None else range(it.start, it.start + n))
+            ctx = self.slots(it.block_table, 0, ctx_lens[b])
+            context_slots[b, :ctx_lens[b]] = ctx
+            slot_mapping.append(ctx[it.start:])
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        has_tree = any(it.tree_mask is not None for it in items)
+        if B == 1 and Q == 1:
+            attn_mask = None
+        else:
+            starts = torch.tensor([it.start for it in items], dtype=torch.int64)
+            last_visible = (starts[:, None] + torch.arange(Q)[None, :]).clamp_max(torch.tensor(ctx_lens)[:, None] - 1)
+            attn_mask = torch.arange(T)[None, None, :] <= last_visible[:, :, None]          # [B, Q, T]
+            if has_tree:
+                for b, it in enumerate(items):
+                    if it.tree_mask is not None:
+                        n = lens[b]
+                        attn_mask[b, :n, it.start:it.start + n] = it.tree_mask
+            attn_mask = attn_mask.unsqueeze(1).to(dev)                                      # [B, 1, Q, T]
+        if B == 1:
+            query_index = output_index = None
+        else:
+            offsets = np.cumsum([0] + lens[:-1])
+            qi = np.minimum(np.arange(Q)[None, :], np.asarray(lens)[:, None] - 1) + offsets[:, None]
+            query_index = torch.from_numpy(qi).to(dev)
+            output_index = torch.from_numpy(np.concatenate([b * Q + np.arange(n) for b, n in enumerate(lens)])).to(dev)
+        ctx = ForwardContext(
+            positions=positions_t,
+            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
+            context_slots=torch.from_numpy(context_slots).to(dev),
+            attn_mask=attn_mask,
+            query_index=query_index,
+            output_index=output_index,
+            kv_cache=self.kv_cache,
+        )
+        return input_ids, positions_t, ctx
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final hidden states [N, H] of all new tokens (flat, item after item) and aux."""
+        input_ids, positions, ctx = self.prepare(items)
+        return self.model(input_ids, positions, ctx, aux_layers)

@@ -1,0 +1,84 @@
+"""Which drafter a deployment uses: named by the user, or detected from configs (never from file names)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from specserve.models.config import ModelConfig
+from specserve.models.registry import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def drafter_kind(path: str | Path) -> str:
+    """The kind of drafter stored in a folder, read from its config.json."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"drafter folder {path} has no config.json")
+    cfg = json.loads(cfg_path.read_text())
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch in EAGLE3_ARCHITECTURES:
+        return "eagle3"
+    if cfg.get("num_nextn_predict_layers", 0) and arch not in MODEL_REGISTRY:
+        return "mtp"
+    if arch in MODEL_REGISTRY:
+        return "draft"
+    raise ValueError(f"cannot tell what kind of drafter {path} holds: architecture {arch!r} is neither a "
+                     f"supported causal LM ({', '.join(sorted(MODEL_REGISTRY))}) nor an EAGLE3 head")
+
+
+def find_drafters(model_dir: str | Path) -> dict[str, Path]:
+    """Drafters in subfolders of the model folder, by kind (the first subfolder of each kind, sorted)."""
+    found: dict[str, Path] = {}
+    for sub in sorted(p for p in Path(model_dir).iterdir() if p.is_dir() and (p / "config.json").exists()):
+        try:
+            found.setdefault(drafter_kind(sub), sub)
+        except ValueError as e:
+            logger.warning("ignoring %s: %s", sub, e)
+    return found
+
+
+def resolve_method(config, model_config: ModelConfig) -> tuple[str, Path | None]:
+    """(method, drafter path) from the engine config, detecting what the user did not name."""
+    method, path = config.speculative_method, config.draft_model
+    if path is not None:
+        kind = drafter_kind(path)
+        if method not in (None, kind):
+            raise ValueError(f"--speculative-method {method} does not match the drafter in {path}, which is {kind}")
+        return kind, Path(path)
+    if method in ("none", "ngram"):
+        return method, None
+    found = find_drafters(config.model)
+    if method is None:
+        if model_config.num_nextn_predict_layers > 0:
+            return "mtp", None
+        for kind in ("eagle3", "draft", "mtp"):
+            if kind in found:
+                return kind, found[kind]
+        return "none", None
+    if method == "mtp" and model_config.num_nextn_predict_layers > 0:
+        return "mtp", found.get("mtp")
+    if method not in found:
+        raise ValueError(f"--speculative-method {method} needs a drafter: pass --draft-model DIR "
+                         f"(no {method} drafter found in a subfolder of {config.model})")
+    return method, found[method]
+
+
+def build_proposer(config, engine):
+    """Returns (proposer or None, method name, KV-cache bytes per token the drafter needs)."""
+    method, path = resolve_method(config, engine.model_config)
+    if method == "none":
+        return None, "none", 0
+    if method == "ngram":
+        from specserve.spec.ngram import NgramProposer
+        d = engine.spec_defaults
+        return NgramProposer(d.prompt_lookup_min, d.prompt_lookup_max, use_cache=config.ngram_cache), "ngram", 0
+    if method == "draft":
+        from specserve.spec.draft_model import DraftModelProposer
+        proposer = DraftModelProposer(path, engine)
+        logger.info("drafting with the draft model in %s", path)
+        return proposer, "draft", proposer.kv_bytes_per_token
+    raise ValueError(f"speculative method {method!r} is not supported yet")
