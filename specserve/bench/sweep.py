@@ -1,0 +1,140 @@
+"""`specserve bench sweep`: the same prompts at each num_assistant_tokens, for each method and plain decoding."""
+import argparse
+import asyncio
+import csv
+import json
+import shlex
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from specserve.bench.launch import launched_server
+from specserve.bench.serve import BenchResult, base_url_of, benchmark, prepare, print_failures
+
+PLAIN = "none"  # the --speculative-method of plain decoding
+
+
+@dataclass(slots=True)
+class SweepPoint:
+    method: str
+    num_assistant_tokens: int           # 0 = drafting off
+    acceptance_length: float | None     # 1 + accepted / drafts, from the server's counters; None without them
+    tokens_per_step: float              # output tokens per target forward pass
+    output_throughput: float            # output tokens/s
+    mean_tpot_ms: float
+    completed: int
+    failed: int
+    speedup: float | None = None        # output tokens/s over plain decoding's
+
+
+def tokens_per_target_step(result: BenchResult) -> float:
+    """Each target pass verifies at most one draft and yields one token plus the draft tokens it accepts,
+    so target passes = output tokens - accepted tokens."""
+    total = result.metrics.total_output
+    accepted = result.spec.accepted_tokens if result.spec else 0
+    return total / (total - accepted) if total > accepted else 0.0
+
+
+def point_of(method: str, num_assistant_tokens: int, result: BenchResult) -> SweepPoint:
+    m = result.metrics
+    return SweepPoint(method, num_assistant_tokens, result.spec.acceptance_length if result.spec else None,
+                      tokens_per_target_step(result), m.output_throughput, m.tpot.mean, m.completed, m.failed)
+
+
+async def measure_server(args: argparse.Namespace, base_url: str, method: str, ks: list[int]) -> list[SweepPoint]:
+    cfg, samples, tokenizer = await prepare(args, base_url)
+    points = []
+    for k in ks:
+        run_cfg = replace(cfg, extra_body={**(cfg.extra_body or {}), "num_assistant_tokens": k})
+        result = await benchmark(run_cfg, samples, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+        print_failures(result.outputs)
+        points.append(point := point_of(method, k, result))
+        print(f"{method} num_assistant_tokens={k}: {point.output_throughput:.2f} tok/s, "
+              f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms")
+    return points
+
+
+def ks_for_method(method: str, ks: list[int], methods: list[str]) -> list[int]:
+    """The plain server measures k=0 only; without one, the first method's server measures k=0 as the baseline."""
+    if method == PLAIN:
+        return [0]
+    drafting = [k for k in ks if k > 0]
+    return [0, *drafting] if PLAIN not in methods and method == methods[0] else drafting
+
+
+def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[int]) -> list[SweepPoint]:
+    """With methods: one launched server per method (--model is then the model directory). Without: the server
+    at --base-url / --host:--port, over every k."""
+    if not methods:
+        return asyncio.run(measure_server(args, base_url_of(args), args.label or "server", ks))
+    points = []
+    for method in methods:
+        log_path = Path(args.result_dir) / f"server-{method}.log"
+        with launched_server(args.model, method, log_path, shlex.split(args.server_args or ""),
+                             args.server_timeout) as base_url:
+            points += asyncio.run(measure_server(args, base_url, method, ks_for_method(method, ks, methods)))
+    return points
+
+
+def add_speedups(points: list[SweepPoint]) -> None:
+    baseline = next((p for p in points if p.num_assistant_tokens == 0), None)
+    if baseline is None or baseline.output_throughput == 0:
+        return
+    for p in points:
+        p.speedup = p.output_throughput / baseline.output_throughput
+
+
+def format_table(points: list[SweepPoint]) -> str:
+    header = (f"{'method':<10} {'k':>3} {'accept len':>10} {'tok/step':>9} {'out tok/s':>10} {'TPOT ms':>9} "
+              f"{'speedup':>8}")
+    lines = [header, "-" * len(header)]
+    for p in points:
+        accept = f"{p.acceptance_length:.2f}" if p.acceptance_length is not None else "-"
+        speedup = f"{p.speedup:.2f}x" if p.speedup is not None else "-"
+        lines.append(f"{p.method:<10} {p.num_assistant_tokens:>3} {accept:>10} {p.tokens_per_step:>9.2f} "
+                     f"{p.output_throughput:>10.2f} {p.mean_tpot_ms:>9.2f} {speedup:>8}")
+    return "\n".join(lines)
+
+
+def write_results(points: list[SweepPoint], result_dir: Path, name: str = "sweep") -> list[Path]:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path, png_path = (result_dir / f"{name}.{ext}" for ext in ("csv", "json", "png"))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[field.name for field in fields(SweepPoint)])
+        writer.writeheader()
+        writer.writerows(asdict(p) for p in points)
+    json_path.write_text(json.dumps([asdict(p) for p in points], indent=2))
+    plot(points, png_path)
+    return [csv_path, json_path, png_path]
+
+
+def plot(points: list[SweepPoint], path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    throughput_ax, steps_ax = fig.subplots(1, 2)
+    baseline = next((p for p in points if p.num_assistant_tokens == 0), None)
+    for method in dict.fromkeys(p.method for p in points if p.num_assistant_tokens > 0):
+        drafting = sorted((p for p in points if p.method == method and p.num_assistant_tokens > 0),
+                          key=lambda p: p.num_assistant_tokens)
+        ks = [p.num_assistant_tokens for p in drafting]
+        throughput_ax.plot(ks, [p.output_throughput for p in drafting], marker="o", label=method)
+        steps_ax.plot(ks, [p.tokens_per_step for p in drafting], marker="o", label=f"{method} tokens/step")
+        steps_ax.plot(ks, [p.acceptance_length or float("nan") for p in drafting], marker="x", linestyle=":",
+                      label=f"{method} acceptance length")
+    if baseline is not None:
+        throughput_ax.axhline(baseline.output_throughput, color="gray", linestyle="--", label="plain decoding")
+        steps_ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
+    throughput_ax.set(xlabel="num_assistant_tokens", ylabel="output tokens/s", title="Throughput")
+    steps_ax.set(xlabel="num_assistant_tokens", ylabel="tokens", title="Tokens per target step")
+    for ax in (throughput_ax, steps_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100)
+
+
+def run_sweep(args: argparse.Namespace) -> list[SweepPoint]:
+    points = sweep_points(args, args.methods, args.num_assistant_tokens)
+    add_speedups(points)
+    print(format_table(points))
+    for path in write_results(points, Path(args.result_dir)):
+        print(f"Wrote {path}")
+    return points
