@@ -16,8 +16,9 @@ from specserve.bench.datasets import (SONNET_BASE_PROMPT, load_jsonl_prompts, lo
                                       sample_random, sample_sonnet)
 from specserve.bench.metrics import (calculate_metrics, format_result, peak_concurrency, result_dict,
                                      spec_decode_stats)
-from specserve.bench.serve import arrival_times
-from specserve.bench.sweep import SweepPoint, add_speedups, format_table, write_results
+from specserve.bench.cli import build_parser
+from specserve.bench.serve import arrival_times, run_serve
+from specserve.bench.sweep import SweepPoint, add_speedups, format_table, run_sweep, write_results
 from specserve.bench.tune import pick_num_assistant_tokens, write_generation_config
 
 SONNET = Path(__file__).resolve().parents[1].parent / "shared/data/sonnet.txt"
@@ -190,7 +191,8 @@ def test_jsonl_reader(tmp_path):
 
 
 def sse(chunks: list[dict | str]) -> bytes:
-    return "".join(f"data: {c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks).encode()
+    payloads = [c if isinstance(c, str) else json.dumps(c, ensure_ascii=False) for c in chunks]
+    return "".join(f"data: {payload}\n\n" for payload in payloads).encode()
 
 
 CHAT_STREAM = [
@@ -280,6 +282,27 @@ def test_sweep_table_and_files(tmp_path):
 # --- the CLI against a fake OpenAI-compatible server ---
 
 
+def parse(argv: list[str]):
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "serve", "--extra-body", "[1]"], "argument --extra-body: must be a JSON object"),
+    (["bench", "serve", "--request-rate", "0"], "argument --request-rate: must be positive"),
+    (["bench", "serve", "--dataset-name", "jsonl"], "--dataset-path is required"),
+    (["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend openai-chat"),
+    (["bench", "sweep", "--methods", "ngram,magic"], "argument --methods: unknown method(s) magic"),
+    (["bench", "sweep", "--methods", "ngram"], "--model must be a local model directory"),
+    (["bench", "sweep", "--num-assistant-tokens", "1,x"], "argument --num-assistant-tokens"),
+    (["tune", "--tolerance", "2"], "argument --tolerance"),
+])
+def test_bad_flags_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        args = parse(argv)
+        args.func(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def fake_server_app():
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse, StreamingResponse
@@ -339,14 +362,14 @@ def fake_server():
 
 
 def test_bench_serve_cli_against_fake_server(fake_server, tmp_path, capsys):
-    from specserve.bench.cli import main
-    prompts = tmp_path / "p.jsonl"
+    prompts, result_file = tmp_path / "p.jsonl", tmp_path / "result.json"
     prompts.write_text('{"prompt": "hello there"}\n')
-    result_file = tmp_path / "result.json"
-    result = main(["bench", "serve", "--base-url", fake_server, "--backend", "openai-chat", "--dataset-name", "jsonl",
-                   "--dataset-path", str(prompts), "--num-prompts", "3", "--max-concurrency", "1",
-                   "--extra-body", '{"num_assistant_tokens": 2}', "--save-result", str(result_file),
-                   "--disable-tqdm", "--tokenizer", str(word_tokenizer_dir(tmp_path))])
+    args = parse(["bench", "serve", "--base-url", fake_server, "--backend", "openai-chat",
+                  "--dataset-name", "jsonl", "--dataset-path", str(prompts), "--num-prompts", "3",
+                  "--max-concurrency", "1", "--extra-body", '{"num_assistant_tokens": 2}',
+                  "--save-result", str(result_file), "--disable-tqdm",
+                  "--tokenizer", str(word_tokenizer_dir(tmp_path))])
+    result = run_serve(args)
     text = capsys.readouterr().out
     assert "============ Serving Benchmark Result ============" in text
     assert result["completed"] == 3 and result["total_output_tokens"] == 21 and result["output_throughput"] > 0
@@ -358,11 +381,11 @@ def test_bench_serve_cli_against_fake_server(fake_server, tmp_path, capsys):
 
 
 def test_bench_sweep_cli_against_fake_server(fake_server, tmp_path, capsys):
-    from specserve.bench.cli import main
-    points = main(["bench", "sweep", "--base-url", fake_server, "--dataset-name", "random", "--random-input-len",
-                   "16", "--output-len", "4", "--num-prompts", "2", "--num-assistant-tokens", "0,2",
-                   "--result-dir", str(tmp_path / "out"), "--disable-tqdm",
-                   "--tokenizer", str(word_tokenizer_dir(tmp_path))])
+    args = parse(["bench", "sweep", "--base-url", fake_server, "--dataset-name", "random",
+                  "--random-input-len", "16", "--output-len", "4", "--num-prompts", "2",
+                  "--num-assistant-tokens", "0,2", "--result-dir", str(tmp_path / "out"), "--disable-tqdm",
+                  "--tokenizer", str(word_tokenizer_dir(tmp_path))])
+    points = run_sweep(args)
     assert [p.num_assistant_tokens for p in points] == [0, 2]
     assert points[1].tokens_per_step == pytest.approx(7 / 4)   # 7 tokens, 3 of them accepted drafts
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"sweep.csv", "sweep.json", "sweep.png"}

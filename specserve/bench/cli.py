@@ -5,6 +5,7 @@ Flags mirror `vllm bench serve`'s names and defaults. `add_bench_parsers(subpars
 """
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,8 +14,7 @@ from specserve.bench.metrics import LATENCY_HEADERS
 from specserve.bench.serve import run_serve
 from specserve.bench.sweep import run_sweep
 from specserve.bench.tune import run_tune
-
-METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
+from specserve.config import MAX_NUM_ASSISTANT_TOKENS, SPEC_METHODS
 
 
 def positive_int(text: str) -> int:
@@ -41,20 +41,21 @@ def json_object(text: str) -> dict:
     return value
 
 
-def int_list(text: str) -> list[int]:
+def assistant_token_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers like 0,2,4, got {text}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative integers, got {text}")
+    if not values or not all(0 <= v <= MAX_NUM_ASSISTANT_TOKENS for v in values):
+        raise argparse.ArgumentTypeError(f"must be integers in [0, {MAX_NUM_ASSISTANT_TOKENS}], got {text}")
     return values
 
 
 def method_list(text: str) -> list[str]:
     methods = [part.strip() for part in text.split(",") if part.strip()]
-    if unknown := [m for m in methods if m not in METHODS]:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if unknown := [m for m in methods if m not in SPEC_METHODS]:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown)}; "
+                                         f"choose from {', '.join(SPEC_METHODS)}")
     return methods
 
 
@@ -134,7 +135,8 @@ def add_load_args(p: argparse.ArgumentParser, num_prompts: int, max_concurrency:
 
 def add_sweep_args(p: argparse.ArgumentParser, default_ks: str) -> None:
     g = p.add_argument_group("sweep")
-    g.add_argument("--num-assistant-tokens", type=int_list, default=int_list(default_ks),
+    g.add_argument("--num-assistant-tokens", type=assistant_token_list,
+                   default=assistant_token_list(default_ks),
                    help=f"values to try, 0 = plain decoding (default {default_ks})")
     g.add_argument("--result-dir", default="bench_results", help="where the CSV, JSON, PNG and server logs go")
     g.add_argument("--server-args", help="extra flags for each launched `specserve serve`, as one string")
@@ -158,13 +160,15 @@ def check_args(args: argparse.Namespace, error: Callable[[str], None]) -> None:
 
 
 def checked(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object],
-            needs_model_dir: Callable[[argparse.Namespace], bool] = lambda args: False):
-    """`run` behind the cross-flag checks, which report through `parser` like any argparse error."""
-    def run_checked(args: argparse.Namespace) -> object:
+            needs_model_dir: Callable[[argparse.Namespace], bool] = lambda args: False) -> Callable[..., int]:
+    """`run` behind the cross-flag checks, which report through `parser` like any argparse error; returns the
+    exit status (the results are `run`'s return value, for callers in Python)."""
+    def run_checked(args: argparse.Namespace) -> int:
         check_args(args, parser.error)
         if needs_model_dir(args) and not (args.model and Path(args.model).is_dir()):
             parser.error(f"--model must be a local model directory here, got {args.model}")
-        return run(args)
+        run(args)
+        return 0
     return run_checked
 
 
@@ -186,7 +190,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_load_args(sweep, num_prompts=20, max_concurrency=1)
     add_sweep_args(sweep, default_ks="0,1,2,3,4,6,8")
     sweep.add_argument("--methods", type=method_list,
-                       help=f"launch `specserve serve --model DIR` once per method ({','.join(METHODS)}); "
+                       help=f"launch `specserve serve --model DIR` once per method ({','.join(SPEC_METHODS)}); "
                             "without it, sweep the server at --base-url")
     sweep.set_defaults(func=checked(sweep, run_sweep, needs_model_dir=lambda args: bool(args.methods)))
 
@@ -196,19 +200,20 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_dataset_args(tune)
     add_load_args(tune, num_prompts=20, max_concurrency=1)
     add_sweep_args(tune, default_ks="0,1,2,3,4,5,6,8")
-    tune.add_argument("--method", choices=METHODS[1:], help="launch the model with this method (default: measure "
-                                                            "the server already running at --base-url)")
+    tune.add_argument("--method", choices=SPEC_METHODS[1:],
+                      help="launch the model with this method (default: measure the server at --base-url)")
     tune.add_argument("--tolerance", type=fraction, default=0.05,
                       help="pick the smallest value within this fraction of the best tokens/s (default 0.05)")
     tune.set_defaults(func=checked(tune, run_tune, needs_model_dir=lambda args: True))
 
 
-def main(argv: list[str] | None = None) -> object:
+def build_parser() -> argparse.ArgumentParser:
+    """Just the bench and tune commands (specserve.cli adds them to the full CLI)."""
     parser = argparse.ArgumentParser(prog="specserve")
     add_bench_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
 
 
 if __name__ == "__main__":
-    main()
+    cli_args = build_parser().parse_args()
+    sys.exit(cli_args.func(cli_args))
