@@ -141,7 +141,7 @@ async def send_request(client: httpx.AsyncClient, req: RequestInput, pbar: tqdm 
                 for payload in decoder.flush():
                     out.add_event(payload, time.perf_counter())
                 out.finish()
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except Exception as e:  # one broken response fails its request, not the whole run (as in vLLM)
         out.error = f"{type(e).__name__}: {e}"
     if pbar is not None:
         pbar.update(1)
