@@ -114,7 +114,7 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-range-ratio", type=fraction, default=0.0)
 
 
-def add_load_args(p: argparse.ArgumentParser, num_prompts: int, max_concurrency: int | None) -> None:
+def add_load_args(p: argparse.ArgumentParser, num_prompts: int, max_concurrency: int | None, num_warmups: int) -> None:
     g = p.add_argument_group("load")
     g.add_argument("--num-prompts", type=positive_int, default=num_prompts)
     g.add_argument("--max-concurrency", type=positive_int, default=max_concurrency)
@@ -126,7 +126,7 @@ def add_load_args(p: argparse.ArgumentParser, num_prompts: int, max_concurrency:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--extra-body", type=json_object,
                    help='JSON merged into each request, e.g. \'{"num_assistant_tokens": 5}\'')
-    g.add_argument("--num-warmups", type=int, default=0)
+    g.add_argument("--num-warmups", type=int, default=num_warmups, help="requests sent before each measurement")
     g.add_argument("--disable-tqdm", action="store_true")
     g.add_argument("--percentile-metrics", type=latency_metric_list, default=("ttft", "tpot", "itl"),
                    help=f"latencies to print, of {','.join(LATENCY_HEADERS)} (default ttft,tpot,itl)")
@@ -180,14 +180,14 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve = bench.add_parser("serve", help="load-test a server; prints vLLM's Serving Benchmark Result")
     add_target_args(serve)
     add_dataset_args(serve)
-    add_load_args(serve, num_prompts=1000, max_concurrency=None)
+    add_load_args(serve, num_prompts=1000, max_concurrency=None, num_warmups=0)
     serve.add_argument("--save-result", metavar="FILE", help="write the result as JSON")
     serve.set_defaults(func=checked(serve, run_serve))
 
     sweep = bench.add_parser("sweep", help="throughput and acceptance over num_assistant_tokens and methods")
     add_target_args(sweep)
     add_dataset_args(sweep)
-    add_load_args(sweep, num_prompts=20, max_concurrency=1)
+    add_load_args(sweep, num_prompts=20, max_concurrency=1, num_warmups=1)
     add_sweep_args(sweep, default_ks="0,1,2,3,4,6,8")
     sweep.add_argument("--methods", type=method_list,
                        help=f"launch `specserve serve --model DIR` once per method ({','.join(SPEC_METHODS)}); "
@@ -198,7 +198,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
                                               "<model>/generation_config.json")
     add_target_args(tune)
     add_dataset_args(tune)
-    add_load_args(tune, num_prompts=20, max_concurrency=1)
+    add_load_args(tune, num_prompts=20, max_concurrency=1, num_warmups=1)
     add_sweep_args(tune, default_ks="0,1,2,3,4,5,6,8")
     tune.add_argument("--method", choices=SPEC_METHODS[1:],
                       help="launch the model with this method (default: measure the server at --base-url)")

@@ -50,8 +50,8 @@ class BenchResult:
 
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Send offsets (s) from the start, as vLLM draws them: gamma gaps from numpy's seeded global-style RNG,
-    rescaled so the last request goes out at exactly num_requests / request_rate."""
+    """Send offsets (s) from the start, drawn as vLLM draws them after `np.random.seed(seed)`: gamma gaps
+    (exponential, i.e. Poisson arrivals, at burstiness 1), rescaled so the last goes out at num_requests / rate."""
     if request_rate == float("inf"):
         return [0.0] * num_requests
     if burstiness == float("inf"):
