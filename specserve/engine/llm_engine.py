@@ -12,13 +12,13 @@ from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus, SpecStats
-from specserve.layers.sampler import compute_probs, draw_uniforms
+from specserve.layers.sampler import compute_probs, position_uniforms
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
 from specserve.spec.proposer import Draft, TargetHidden
-from specserve.spec.verify import verify_greedy, verify_rejection
+from specserve.spec.verify import verify_deterministic, verify_greedy, verify_rejection
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class LLMEngine:
             self.proposer.bind(self)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
+        # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
+        self.max_model_len = min(self.max_model_len, self.max_num_tokens - 1)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.stats = SpecStats()
@@ -125,6 +127,8 @@ class LLMEngine:
         if seq.request_id in self.requests:
             raise RequestError(f"duplicate request id {seq.request_id!r}")
         seq.num_assistant_tokens = params.num_assistant_tokens if self.proposer is not None else 0
+        if seq.seed is None:
+            seq.seed = int(torch.randint(0, 2**62, (), generator=self.default_generator))
         seq.arrival_time = time.perf_counter()
         self.requests[seq.request_id] = seq
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
@@ -237,8 +241,13 @@ class LLMEngine:
                             q[b, torch.arange(len(ids)), torch.tensor(ids)] = 1.0
                         else:
                             q[b, :len(ids)] = qi[:, :p.shape[-1]].cpu()
-            u = draw_uniforms([seq.generator or self.default_generator for seq in seqs], K + 1)
-            out, num = verify_rejection(p, draft_tokens, num_draft, q, u[:, :K], u[:, K])
+            seeds, starts = [seq.seed for seq in seqs], [len(seq) for seq in seqs]
+            u = position_uniforms(seeds, starts, K + 1)                                              # [B, K+1]
+            if q is None:
+                out, num = verify_deterministic(p, draft_tokens, num_draft, u)
+            else:
+                u_accept = position_uniforms(seeds, starts, K, stream=1)
+                out, num = verify_rejection(p, draft_tokens, num_draft, q, u_accept, u)
         out, num = out.tolist(), num.tolist()
         for b, i in enumerate(sample_idx):
             tokens[i] = out[b][:num[b]]

@@ -4,8 +4,6 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-import torch
-
 from specserve.sampling_params import SamplingParams
 
 
@@ -85,9 +83,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.spec = SpecStats()
         self.num_assistant_tokens = 0         # resolved per request by the engine
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.seed = params.seed                # the engine draws one for unseeded requests
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
 

@@ -4,6 +4,7 @@ compute_probs applies temperature, top-k and top-p in vLLM's order. Sampling tak
 the caller, so the same function serves plain decoding and speculative verification, and a seeded
 request draws them from its own generator.
 """
+import numpy as np
 import torch
 
 
@@ -99,3 +100,28 @@ def draw_uniforms(
         if g is not None:
             out[i] = torch.rand(n, generator=g, dtype=torch.float64, device=g.device).cpu()
     return out if device is None else out.to(device)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def position_uniforms(seeds: list[int], starts: list[int], n: int, stream: int = 0) -> torch.Tensor:
+    """[B, n] float64 uniforms in [0, 1): entry (b, j) is a fixed function of (seeds[b], starts[b] + j, stream).
+
+    A counter-based generator: the uniform that samples the token at sequence position i is the same
+    however many steps it took to get there, so a seeded request draws the same numbers with or without
+    speculation (and, for deterministic drafts, yields the same tokens as plain sampling).
+    """
+    seed = _splitmix64(np.asarray(seeds, dtype=np.uint64) ^ (np.uint64(stream) << np.uint64(56)))
+    pos = np.asarray(starts, dtype=np.uint64)[:, None] + np.arange(n, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        h = _splitmix64(_splitmix64(seed[:, None] + pos * _GOLDEN))
+    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))

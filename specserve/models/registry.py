@@ -60,6 +60,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     unused = load_weights(model, iter_checkpoint(model_dir), llama.PACKED, prefix_map=keep)
     if unused:
         logger.info("ignored %d checkpoint tensors (e.g. %s)", len(unused), unused[0])
-    model = model.to(dtype).eval()
+    model = model.to(dtype).eval().requires_grad_(False)
     model.rotary.to(torch.float32)
     return model

@@ -13,7 +13,7 @@ import torch
 
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.sequence import Sequence
-from specserve.layers.sampler import compute_probs, draw_uniforms, sample_from_probs
+from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
 from specserve.spec.proposer import Draft, Proposer, TargetHidden
@@ -53,7 +53,6 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                   engine.block_manager.num_blocks, engine.block_manager.block_size,
                                   engine.dtype, engine.device)
-        self.default_generator = engine.default_generator
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden).float()
@@ -88,7 +87,7 @@ class DraftModelProposer(Proposer):
                 q = compute_probs(logits, torch.tensor([s.params.temperature for s in act_seqs]),
                                   torch.tensor([s.params.top_k for s in act_seqs]),
                                   torch.tensor([s.params.top_p for s in act_seqs]))
-                u = draw_uniforms([s.generator or self.default_generator for s in act_seqs], 1)[:, 0]
+                u = position_uniforms([s.seed for s in act_seqs], [len(s) + j for s in act_seqs], 1, stream=2)[:, 0]
                 tokens = sample_from_probs(q, u).tolist()
                 probs[torch.tensor(active), j] = q
             for i, t in zip(active, tokens):

@@ -33,7 +33,7 @@ def verify_rejection(
     num_draft: torch.Tensor,     # [B] int64
     q: torch.Tensor | None,      # [B, K, V] draft probs; None = deterministic drafts (one-hot q)
     u_accept: torch.Tensor,      # [B, K] uniforms in [0, 1)
-    u_sample: torch.Tensor,      # [B] uniforms in [0, 1)
+    u_sample: torch.Tensor,      # [B] uniforms in [0, 1), or [B, K+1]: one per position, picked at the final one
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): every committed token is
     distributed exactly as a sample from p given its prefix, whatever q is."""
@@ -59,8 +59,28 @@ def verify_rejection(
             residual = (p_n - q[rows, j]).clamp(min=0)
         use_residual = (num_accepted < num_draft) & (residual.sum(dim=1) > 0)       # [B]
         p_n = torch.where(use_residual[:, None], residual, p_n)
+    if u_sample.dim() == 2:
+        u_sample = u_sample.gather(1, num_accepted[:, None]).squeeze(1)
     final = sample_from_probs(p_n, u_sample)                                        # [B]
     return _assemble(draft_tokens, num_accepted, final)
+
+
+def verify_deterministic(
+    p: torch.Tensor,             # [B, K+1, V] target probs
+    draft_tokens: torch.Tensor,  # [B, K] int64, drafted without sampling (n-gram, argmax heads)
+    num_draft: torch.Tensor,     # [B] int64
+    u: torch.Tensor,             # [B, K+1] the uniform of each position
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact verification of deterministic drafts by sampling: draw y_j ~ p_j with the uniform of
+    position j, accept while y_j == x_j, and commit y at the first mismatch (or the bonus y).
+
+    Each committed token is a sample of p given its prefix, drawn with the uniform plain decoding
+    would use at that position: the output equals plain sampling's, token for token, whatever the
+    draft. Acceptance probability is p_j(x_j), the same as the rejection rule with one-hot q.
+    """
+    B, K1, V = p.shape
+    y = sample_from_probs(p.reshape(B * K1, V), u.reshape(B * K1)).view(B, K1)       # [B, K+1]
+    return verify_greedy(y, draft_tokens, num_draft)
 
 
 def _assemble(

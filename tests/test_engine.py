@@ -1,0 +1,139 @@
+"""The plain engine against transformers on random tiny Qwen3 and Llama checkpoints."""
+import pytest
+import torch
+import transformers
+
+from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.llm import LLM
+from specserve.models.registry import load_model
+from specserve.sampling_params import SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "To be, or not to be, that is", "The quick brown fox jumps over the lazy dog. The quick"]
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def model_dir(request, qwen3_dir, llama_dir):
+    return qwen3_dir if request.param == "qwen3" else llama_dir
+
+
+def runner_for(model, num_blocks=64, block_size=4):
+    c = model.config
+    return ModelRunner(model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks, block_size, torch.float32)
+
+
+def test_unknown_architecture_lists_supported(tmp_path, qwen3_dir):
+    import json, shutil
+    shutil.copytree(qwen3_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, Qwen3ForCausalLM"):
+        load_model(tmp_path / "m")
+
+
+def test_logits_match_transformers_prefill_and_decode(model_dir):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = load_model(model_dir)
+    runner = runner_for(model)
+    ids = torch.randint(0, 400, (30,)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    table = list(range(8))
+    hidden, _ = runner.forward([ForwardItem(table, 0, ids[:20])])                   # prefill
+    assert (model.compute_logits(hidden) - expected[:20]).abs().max() <= 1e-4
+    for i in range(20, 30):                                                        # decode steps
+        hidden, _ = runner.forward([ForwardItem(table, i, [ids[i]])])
+        assert (model.compute_logits(hidden)[0] - expected[i]).abs().max() <= 1e-4
+
+
+def test_greedy_matches_transformers_generate(model_dir):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    llm = LLM(str(model_dir), kv_cache_memory_gb=0.01, speculative_method="none")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        expected = ref.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
+
+
+def test_batch_equals_each_alone(qwen3_dir):
+    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+    assert together == alone
+
+
+def test_prefix_cache_hit_equals_miss(qwen3_dir):
+    prompt = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    miss = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none", block_size=4)
+    first = miss.generate(prompt, params)[0].outputs[0].token_ids
+    second_seq = miss.engine.add_request(miss.tokenizer.encode(prompt), params)
+    while miss.engine.has_unfinished():
+        miss.engine.step()
+    assert second_seq.num_cached_tokens >= 8
+    assert second_seq.output_token_ids == first
+    cold = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none", enable_prefix_caching=False)
+    assert cold.generate(prompt, params)[0].outputs[0].token_ids == first
+
+
+def test_truncate_then_extend_equals_never_extending(qwen3_dir):
+    from specserve.engine.block_manager import BlockManager
+    from specserve.engine.sequence import Sequence
+    model = load_model(qwen3_dir)
+    runner = runner_for(model, num_blocks=16, block_size=4)
+    bm = BlockManager(16, 4)
+    ids = torch.randint(0, 400, (14,)).tolist()
+    seq = Sequence(ids[:10], SamplingParams())
+    bm.allocate(seq)
+    bm.ensure(seq, 10)
+    runner.forward([ForwardItem(seq.block_table, 0, ids[:10])])
+    bm.ensure(seq, 17)                                          # speculative junk past position 10
+    runner.forward([ForwardItem(seq.block_table, 10, [7, 8, 9, 10, 11, 12, 13])])
+    bm.truncate(seq, 10)
+    assert len(seq.block_table) == 3
+    bm.ensure(seq, 14)
+    hidden, _ = runner.forward([ForwardItem(seq.block_table, 10, ids[10:14])])
+    fresh = runner_for(model, num_blocks=16, block_size=4)
+    expected, _ = fresh.forward([ForwardItem(list(range(4)), 0, ids)])
+    assert torch.allclose(hidden, expected[10:], atol=1e-5)
+
+
+def test_stop_strings_tokens_and_max_tokens(qwen3_dir):
+    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none")
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    assert len(base.token_ids) == 30 and base.finish_reason == "length"
+    stop_token = base.token_ids[5]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=[stop_token]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[:base.token_ids.index(stop_token) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    stop = base.text[10:13]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == base.text[:base.text.index(stop)] and out.stop_reason == stop
+
+
+def test_seeded_sampling_is_reproducible(qwen3_dir):
+    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none")
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    a = llm.generate(PROMPTS, params)
+    b = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_prompt_that_cannot_fit_is_a_clear_error(qwen3_dir):
+    from specserve.engine.llm_engine import RequestError
+    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.0001, speculative_method="none")
+    with pytest.raises(RequestError, match="accepts at most"):
+        llm.generate([list(range(3, 400)) * 3], SamplingParams(max_tokens=4))
+
+
+def test_preemption_when_memory_runs_out_keeps_outputs(qwen3_dir):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none")
+    expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params)]
+    # 6 blocks of 16 tokens cannot hold three sequences of ~50 tokens at once: someone is preempted
+    tight = LLM(str(qwen3_dir), kv_cache_memory_gb=6 * 16 * 2 * 2 * 2 * 16 * 4 / (1 << 30), speculative_method="none")
+    assert tight.engine.block_manager.num_blocks == 6
+    assert [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params)] == expected
