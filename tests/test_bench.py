@@ -17,8 +17,9 @@ from specserve.bench.datasets import (SONNET_BASE_PROMPT, load_jsonl_prompts, lo
 from specserve.bench.metrics import (calculate_metrics, format_result, peak_concurrency, result_dict,
                                      spec_decode_stats)
 from specserve.bench.cli import build_parser
-from specserve.bench.serve import arrival_times, run_serve
-from specserve.bench.sweep import SweepPoint, add_speedups, format_table, run_sweep, write_results
+from specserve.bench.serve import BenchResult, arrival_times, run_serve
+from specserve.bench.sweep import (SweepPoint, acceptance_length, add_speedups, format_table, run_sweep,
+                                   tokens_per_target_step, write_results)
 from specserve.bench.tune import pick_num_assistant_tokens, write_generation_config
 
 SONNET = Path(__file__).resolve().parents[1].parent / "shared/data/sonnet.txt"
@@ -266,6 +267,19 @@ def test_tune_picks_where_throughput_stops_improving(tmp_path):
     assert json.loads(backup.read_text()) == {"eos_token_id": 2}
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 2,
                                                                              "num_assistant_tokens": 3}
+
+
+def test_tokens_per_step_and_acceptance_from_usage_or_counters():
+    drafted = finished(0.0, 0.1, [0.1], output_tokens=7, prompt_len=3)
+    drafted.usage = {"completion_tokens": 7, "num_target_forwards": 5, "num_drafts": 4, "num_accepted_tokens": 2}
+    from_usage = BenchResult(calculate_metrics([drafted], 1.0), None, [drafted])
+    assert tokens_per_target_step(from_usage) == pytest.approx(7 / 5) and acceptance_length(from_usage) == 1.5
+    plain = finished(0.0, 0.1, [0.1], output_tokens=7, prompt_len=3)
+    counters = spec_decode_stats(SpecCounters(), SpecCounters(2, 4, 3, {0: 2, 1: 1}))
+    from_counters = BenchResult(calculate_metrics([plain], 1.0), counters, [plain])
+    assert tokens_per_target_step(from_counters) == pytest.approx(7 / 4) and acceptance_length(from_counters) == 2.5
+    no_drafts = BenchResult(calculate_metrics([plain], 1.0), None, [plain])
+    assert tokens_per_target_step(no_drafts) == 1.0 and acceptance_length(no_drafts) is None
 
 
 def test_sweep_table_and_files(tmp_path):

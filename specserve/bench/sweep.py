@@ -17,7 +17,7 @@ PLAIN = "none"  # the --speculative-method of plain decoding
 class SweepPoint:
     method: str
     num_assistant_tokens: int           # 0 = drafting off
-    acceptance_length: float | None     # 1 + accepted / drafts, from the server's counters; None without them
+    acceptance_length: float | None     # 1 + accepted / drafts; None when nothing was drafted
     tokens_per_step: float              # output tokens per target forward pass
     output_throughput: float            # output tokens/s
     mean_tpot_ms: float
@@ -26,18 +26,35 @@ class SweepPoint:
     speedup: float | None = None        # output tokens/s over plain decoding's
 
 
+def usage_total(result: BenchResult, key: str) -> int:
+    """A usage field summed over successful requests (specserve's usage carries speculative statistics)."""
+    return sum(out.usage.get(key) or 0 for out in result.outputs if out.success)
+
+
 def tokens_per_target_step(result: BenchResult) -> float:
-    """Each target pass verifies at most one draft and yields one token plus the draft tokens it accepts,
-    so target passes = output tokens - accepted tokens."""
+    """From the usage's num_target_forwards when the server reports it. Otherwise from the counters: each
+    target pass verifies at most one draft and yields one token plus the draft tokens it accepts, so
+    target passes = output tokens - accepted tokens."""
     total = result.metrics.total_output
+    if forwards := usage_total(result, "num_target_forwards"):
+        return total / forwards
     accepted = result.spec.accepted_tokens if result.spec else 0
     return total / (total - accepted) if total > accepted else 0.0
 
 
+def acceptance_length(result: BenchResult) -> float | None:
+    """1 + accepted / drafts: from the server's counters, else from the usage, else None (no drafting seen)."""
+    if result.spec is not None:
+        return result.spec.acceptance_length
+    if drafts := usage_total(result, "num_drafts"):
+        return 1 + usage_total(result, "num_accepted_tokens") / drafts
+    return None
+
+
 def point_of(method: str, num_assistant_tokens: int, result: BenchResult) -> SweepPoint:
     m = result.metrics
-    return SweepPoint(method, num_assistant_tokens, result.spec.acceptance_length if result.spec else None,
-                      tokens_per_target_step(result), m.output_throughput, m.tpot.mean, m.completed, m.failed)
+    return SweepPoint(method, num_assistant_tokens, acceptance_length(result), tokens_per_target_step(result),
+                      m.output_throughput, m.tpot.mean, m.completed, m.failed)
 
 
 async def measure_server(args: argparse.Namespace, base_url: str, method: str, ks: list[int]) -> list[SweepPoint]:
