@@ -1,0 +1,267 @@
+"""LLMEngine behind asyncio: one engine thread steps every in-flight request (continuous batching).
+
+The engine is not thread-safe, so only the engine thread touches it. Event-loop code hands it
+new requests and aborts through a command queue, read between steps; the thread sleeps on an
+Event while there is nothing to do. Outputs travel back through one asyncio.Queue per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from specserve.engine.llm_engine import LLMEngine, StepOutput
+from specserve.engine.sequence import Sequence
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """Every running slot and every place in the waiting queue is taken (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped: shut down, or failed inside a step."""
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """A snapshot the engine thread publishes after every step, for gauges."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class AddRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+
+
+class Shutdown:
+    pass
+
+
+class RequestStream:
+    """One request's outputs, in the order the engine produced them; close() aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.admitted: asyncio.Future[Sequence] = self.loop.create_future()
+        self.outputs: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.closed = False
+
+    # called from the engine thread; False when the caller's event loop is gone (nobody will read)
+    def admit(self, result: Sequence | BaseException) -> bool:
+        def settle():
+            if self.admitted.done():
+                return
+            if isinstance(result, BaseException):
+                self.admitted.set_exception(result)
+            else:
+                self.admitted.set_result(result)
+        return self._call(settle)
+
+    def put(self, item: StepOutput | BaseException) -> bool:
+        return self._call(self.outputs.put_nowait, item)
+
+    def _call(self, fn, *args) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:                 # the loop is closed
+            return False
+
+    # called from the event loop
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.outputs.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Idempotent; aborts the request in the engine (freeing its KV blocks) unless it finished."""
+        if not self.closed:
+            self.closed = True
+            if not self.finished:
+                self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue_len: int = 256):
+        self.engine = engine
+        self.max_num_in_flight = engine.config.max_num_seqs + max_queue_len
+        self.num_in_flight = 0                      # admitted and not yet left the engine
+        self.load = EngineLoad()
+        self.dead: EngineDeadError | None = None
+        self.finish_listeners: list[Callable[[Sequence], None]] = []   # run in the engine thread
+        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequest | Shutdown] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}                  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+
+    # ---- event-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; unfinished requests end with EngineDeadError."""
+        if self._thread.is_alive():
+            self._commands.put(Shutdown())
+            self._wake.set()
+            self._thread.join(timeout)
+
+    def add_finish_listener(self, listener: Callable[[Sequence], None]) -> None:
+        """listener(seq) runs in the engine thread when a request leaves the engine (finished or aborted),
+        before its last output reaches the caller."""
+        self.finish_listeners.append(listener)
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Admit a request; raises EngineOverloadedError, EngineDeadError, or the engine's RequestError."""
+        if self.dead is not None:
+            raise self.dead
+        with self._lock:
+            if self.num_in_flight >= self.max_num_in_flight:
+                raise EngineOverloadedError(
+                    f"the server is at capacity ({self.num_in_flight} requests running or queued; "
+                    f"max_num_seqs {self.engine.config.max_num_seqs} plus a queue of "
+                    f"{self.max_num_in_flight - self.engine.config.max_num_seqs}); retry later")
+            self.num_in_flight += 1
+        stream = RequestStream(self, request_id)
+        self._commands.put(AddRequest(list(prompt_token_ids), params, stream))
+        self._wake.set()
+        if self.dead is not None:            # the thread stopped after our first check: nobody reads the queue
+            stream.admit(self.dead)
+        try:
+            await stream.admitted
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[StepOutput]:
+        """One StepOutput per engine step that produced tokens; cancelling the iteration aborts the request."""
+        stream = await self.add_request(prompt_token_ids, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+        self._wake.set()
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()           # cleared before reading commands, so no wake-up is lost
+                if not self._process_commands():
+                    break
+                self._publish_load()
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    continue
+                for out in self.engine.step():
+                    self._dispatch(out)
+            self._fail_all(EngineDeadError("the server is shutting down"))
+        except Exception as e:
+            logger.exception("engine step failed; the engine is stopped")
+            self._fail_all(EngineDeadError(f"the engine stopped after an internal error: {e!r}"))
+
+    def _process_commands(self) -> bool:
+        """Apply queued adds and aborts; False once asked to shut down."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if isinstance(command, Shutdown):
+                return False
+            if isinstance(command, AbortRequest):
+                self._abort(command.request_id)
+                continue
+            stream = command.stream
+            try:
+                seq = self.engine.add_request(command.prompt_token_ids, command.params, stream.request_id)
+            except Exception as e:           # RequestError and anything else: the caller's error, not ours
+                self._release()
+                stream.admit(e)
+                continue
+            self._streams[stream.request_id] = stream
+            if not stream.admit(seq):
+                self._abort(stream.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.engine.requests.get(request_id)
+        self.engine.abort(request_id)
+        if seq is not None and seq.is_finished:
+            self._left_engine(seq)
+
+    def _dispatch(self, out: StepOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._left_engine(out.seq)
+        if stream is not None and not stream.put(out) and not out.finished:
+            self._abort(out.request_id)
+
+    def _left_engine(self, seq: Sequence) -> None:
+        self._streams.pop(seq.request_id, None)
+        self._release()
+        for listener in self.finish_listeners:
+            try:
+                listener(seq)
+            except Exception:
+                logger.exception("finish listener failed")
+
+    def _release(self) -> None:
+        with self._lock:
+            self.num_in_flight -= 1
+
+    def _publish_load(self) -> None:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting),
+                               1.0 - blocks.num_free_blocks / blocks.num_blocks)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self.dead = error
+        try:
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+        except Exception:                   # the engine may be inconsistent after a failed step
+            logger.exception("could not abort the engine's requests")
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        while True:                         # requests that arrived after the last step
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, AddRequest):
+                command.stream.admit(error)
+        self._publish_load()

@@ -1,0 +1,332 @@
+"""OpenAI-compatible request and response bodies. The speculative fields sit at the top level of a request,
+where the OpenAI SDK's `extra_body` puts them. Unknown fields are accepted and ignored, except those
+we cannot honour (see UNSUPPORTED), which get a 400 rather than a silently different answer."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.config import MAX_NUM_ASSISTANT_TOKENS
+from specserve.engine.llm_engine import StepOutput
+from specserve.engine.sequence import Sequence
+from specserve.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               500: "internal_server_error", 503: "service_unavailable_error"}
+
+# fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
+    "logprobs": lambda v: v in (None, False),
+    "top_logprobs": lambda v: v in (None, 0),
+    "prompt_logprobs": lambda v: v is None,
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v in (None, ""),
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "min_tokens": lambda v: v in (None, 0),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "tool_choice": lambda v: v in (None, "none"),
+}
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = False
+
+
+@dataclass(slots=True)
+class SamplingDefaults:
+    """The model's generation_config.json values for unset request fields (then SamplingParams' own)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> SamplingDefaults:
+        path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(path.read_text()) if path.exists() else {}
+        temperature = gen.get("temperature")
+        if gen.get("do_sample") is False:    # transformers' meaning: greedy unless the request samples
+            temperature = 0.0
+        return cls(temperature, gen.get("top_p"), gen.get("top_k"), gen.get("max_new_tokens"))
+
+
+class GenerationRequest(OpenAIRequest):
+    """Fields shared by chat and text completions."""
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # speculative decoding
+    num_assistant_tokens: int | None = Field(None, ge=0, le=MAX_NUM_ASSISTANT_TOKENS)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    max_ngram_size: int | None = Field(None, ge=1)        # transformers' name for prompt_lookup_max
+    branching_factor: int | None = Field(None, ge=1)
+    tree_depth: int | None = Field(None, ge=0)
+
+    def check_supported(self) -> None:
+        for name, harmless in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if not harmless(value):
+                raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, defaults: SamplingDefaults, num_prompt_tokens: int, max_len: int,
+                           default_max_tokens: int | None) -> SamplingParams:
+        """max_len: tokens a sequence may reach (the context, or the KV budget when smaller)."""
+        room = max_len - num_prompt_tokens
+        max_tokens = self.requested_max_tokens or defaults.max_tokens or default_max_tokens or room
+        if num_prompt_tokens + max_tokens > max_len:
+            if self.requested_max_tokens is None:
+                max_tokens = room             # a default never makes a request fail
+            else:
+                raise APIError(400, f"this model's maximum context length is {max_len} tokens, but "
+                                    f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+                                    f"prompt, {max_tokens} in the completion); reduce the prompt or max_tokens",
+                               param="max_tokens")
+        try:
+            return SamplingParams(
+                temperature=first_set(self.temperature, defaults.temperature, 1.0),
+                top_p=first_set(self.top_p, defaults.top_p, 1.0),
+                top_k=first_set(self.top_k, defaults.top_k, 0),
+                seed=self.seed,
+                max_tokens=max(1, max_tokens),
+                stop=[s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s],
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                num_assistant_tokens=self.num_assistant_tokens,
+                prompt_lookup_min=self.prompt_lookup_min,
+                prompt_lookup_max=first_set(self.prompt_lookup_max, self.max_ngram_size),
+                branching_factor=self.branching_factor,
+                tree_depth=self.tree_depth,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+
+def first_set(*values):
+    return next((v for v in values if v is not None), None)
+
+
+class ChatMessage(OpenAIRequest):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"this server takes one prompt per request, got {len(prompt)}; "
+                                    f"send them as separate (concurrent) requests", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return prompt
+
+
+class TokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    """OpenAI's usage plus this request's speculative-decoding statistics."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = Field(default_factory=list)
+    num_target_forwards: int = 0
+    mean_acceptance_length: float = 1.0
+
+    @classmethod
+    def from_seq(cls, seq: Sequence) -> Usage:
+        n_out = seq.num_output_tokens
+        return cls(prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
+                   total_tokens=seq.num_prompt_tokens + n_out, **seq.spec.to_dict())
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+    @classmethod
+    def of(cls, request_id: str, model: str, seq: Sequence) -> ChatCompletionResponse:
+        choice = ChatChoice(message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
+                            stop_reason=seq.stop_reason)
+        return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]                 # {"role": "assistant", "content": ...} first, then {"content": ...}
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+    @classmethod
+    def of(cls, request_id: str, model: str, out: StepOutput | None, first: bool, usage: Usage | None = None):
+        """The chunk of one engine step's output, or (out None) the closing usage chunk."""
+        choices = []
+        if out is not None:
+            delta = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
+            choices = [ChatStreamChoice(delta=delta, **finish_fields(out))]
+        return cls(id=request_id, model=model, choices=choices, usage=usage)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """A text completion, and (with object unchanged, as OpenAI does) each streamed chunk of one."""
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+    @classmethod
+    def of(cls, request_id: str, model: str, seq: Sequence) -> CompletionResponse:
+        choice = CompletionChoice(text=seq.output_text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
+
+    @classmethod
+    def chunk(cls, request_id: str, model: str, out: StepOutput | None, first: bool, usage: Usage | None = None):
+        choices = [CompletionChoice(text=out.new_text, **finish_fields(out))] if out is not None else []
+        return cls(id=request_id, model=model, choices=choices, usage=usage)
+
+
+def finish_fields(out: StepOutput) -> dict:
+    if not out.finished:
+        return {"finish_reason": None, "stop_reason": None}
+    return {"finish_reason": out.seq.finish_reason, "stop_reason": out.seq.stop_reason}
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "specserve"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
