@@ -1,5 +1,6 @@
 """Start `specserve serve` as a subprocess for one measurement, and stop it afterwards."""
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,10 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+class ServerStartError(RuntimeError):
+    """The server exited before it was ready (e.g. its method needs a drafter the model lacks)."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -21,10 +26,11 @@ def free_port() -> int:
 
 
 def specserve_command() -> list[str]:
-    """The installed `specserve` script, else this interpreter running specserve.cli's main."""
+    """The installed `specserve` script, else this interpreter running the server's own command line
+    (which takes the same `serve ...` arguments)."""
     if script := shutil.which("specserve"):
         return [script]
-    return [sys.executable, "-c", "import sys; from specserve.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from specserve.server.cli import main; sys.exit(main())"]
 
 
 def serve_command(model_dir: str, method: str, port: int, extra_args: list[str]) -> list[str]:
@@ -37,7 +43,7 @@ def wait_until_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float, 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready; "
+            raise ServerStartError(f"the server exited with code {proc.returncode} before it was ready; "
                                f"its log ({log_path}) ends:\n{tail}")
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
@@ -56,7 +62,7 @@ def launched_server(model_dir: str, method: str, log_path: Path, extra_args: lis
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = serve_command(model_dir, method, port, list(extra_args))
-    print(f"Starting: {' '.join(cmd)}")
+    print(f"Starting: {shlex.join(cmd)}")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:

@@ -7,7 +7,7 @@ import shlex
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from specserve.bench.launch import launched_server
+from specserve.bench.launch import ServerStartError, launched_server
 from specserve.bench.serve import BenchResult, base_url_of, benchmark, prepare, print_failures
 
 PLAIN = "none"  # the --speculative-method of plain decoding
@@ -78,17 +78,23 @@ def ks_for_method(method: str, ks: list[int], methods: list[str]) -> list[int]:
     return [0, *drafting] if PLAIN not in methods and method == methods[0] else drafting
 
 
-def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[int]) -> list[SweepPoint]:
-    """With methods: one launched server per method (--model is then the model directory). Without: the server
-    at --base-url / --host:--port, over every k."""
+def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[int],
+                 skip_unavailable: bool = True) -> list[SweepPoint]:
+    """With methods: one launched server per method (--model is then the model directory); a method the model
+    cannot run is skipped when `skip_unavailable`. Without: the server at --base-url / --host:--port, every k."""
     if not methods:
         return asyncio.run(measure_server(args, base_url_of(args), args.label or "server", ks))
     points = []
     for method in methods:
         log_path = Path(args.result_dir) / f"server-{method}.log"
-        with launched_server(args.model, method, log_path, shlex.split(args.server_args or ""),
-                             args.server_timeout) as base_url:
-            points += asyncio.run(measure_server(args, base_url, method, ks_for_method(method, ks, methods)))
+        try:
+            with launched_server(args.model, method, log_path, shlex.split(args.server_args or ""),
+                                 args.server_timeout) as base_url:
+                points += asyncio.run(measure_server(args, base_url, method, ks_for_method(method, ks, methods)))
+        except ServerStartError as e:
+            if not skip_unavailable:
+                raise
+            print(f"Skipping --speculative-method {method}: {e}")
     return points
 
 
@@ -126,6 +132,7 @@ def write_results(points: list[SweepPoint], result_dir: Path, name: str = "sweep
 
 def plot(points: list[SweepPoint], path: Path) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+    from matplotlib.ticker import MaxNLocator
     fig = Figure(figsize=(11, 4), layout="constrained")
     throughput_ax, steps_ax = fig.subplots(1, 2)
     baseline = next((p for p in points if p.num_assistant_tokens == 0), None)
@@ -143,6 +150,7 @@ def plot(points: list[SweepPoint], path: Path) -> None:
     throughput_ax.set(xlabel="num_assistant_tokens", ylabel="output tokens/s", title="Throughput")
     steps_ax.set(xlabel="num_assistant_tokens", ylabel="tokens", title="Tokens per target step")
     for ax in (throughput_ax, steps_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)

@@ -30,7 +30,8 @@ def write_generation_config(model_dir: Path, num_assistant_tokens: int) -> Path 
 
 def run_tune(args: argparse.Namespace) -> int:
     """With --method, launches the model with that method; otherwise measures the server already running it."""
-    points = sweep_points(args, [args.method] if args.method else None, args.num_assistant_tokens)
+    points = sweep_points(args, [args.method] if args.method else None, args.num_assistant_tokens,
+                          skip_unavailable=False)
     add_speedups(points)
     print(format_table(points))
     write_results(points, Path(args.result_dir), name="tune")
