@@ -12,16 +12,25 @@ from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, SequenceStatus, SpecStats
-from specserve.layers.sampler import compute_probs, position_uniforms
+from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
 from specserve.spec.proposer import Draft, TargetHidden
-from specserve.spec.verify import verify_deterministic, verify_greedy, verify_rejection
+from specserve.spec.tree import Tree, accept_tree
+from specserve.spec.verify import verify_greedy, verify_rejection
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DraftOf:
+    """One sequence's draft in one step: its tokens, q rows when sampled, its tree when not a chain."""
+    token_ids: list[int]
+    probs: torch.Tensor | None = None      # [k, V]
+    tree: Tree | None = None
 
 
 class RequestError(ValueError):
@@ -177,8 +186,8 @@ class LLMEngine:
             self._register(s.seq)
         return outputs
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
-        """Draft tokens (and q rows, when sampled) per scheduled index."""
+    def propose(self, scheduled: list[ScheduledSeq]) -> dict[int, DraftOf]:
+        """Each drafted sequence's draft, by its index in scheduled."""
         wants = [i for i, s in enumerate(scheduled) if s.lookahead > 0]
         if not wants:
             return {}
@@ -186,81 +195,120 @@ class LLMEngine:
                                              [scheduled[i].lookahead for i in wants], None)
         out = {}
         for j, i in enumerate(wants):
-            ids = draft.token_ids[j][:scheduled[i].lookahead]
-            if ids:
-                q = draft.probs[j, :len(ids)] if draft.probs is not None else None
-                out[i] = (list(ids), q)
+            ids = list(draft.token_ids[j][:scheduled[i].lookahead])
+            if not ids:
+                continue
+            q = draft.probs[j, :len(ids)] if draft.probs is not None else None
+            tree = None
+            if draft.parents is not None and draft.parents[j] is not None:
+                parents = draft.parents[j][:len(ids)]
+                if parents != list(range(-1, len(ids) - 1)):       # a chain needs no tree
+                    tree = Tree(parents)
+            out[i] = DraftOf(ids, q, tree)
         return out
 
-    def prepare(self, scheduled: list[ScheduledSeq], draft: dict) -> list[ForwardItem]:
+    def prepare(self, scheduled: list[ScheduledSeq], draft: dict[int, DraftOf]) -> list[ForwardItem]:
         items = []
         for i, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             ids = seq.token_ids[start:start + s.num_new]
-            if i in draft:
-                ids = ids + draft[i][0]
-            items.append(ForwardItem(seq.block_table, start, ids))
+            d = draft.get(i)
+            if d is None:
+                items.append(ForwardItem(seq.block_table, start, ids))
+            elif d.tree is None:
+                items.append(ForwardItem(seq.block_table, start, ids + d.token_ids))
+            else:   # the last token, then the nodes: positions by depth, each node sees its ancestors
+                n = len(d.token_ids)
+                mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+                mask[:, 0] = True
+                mask[1:, 1:] = d.tree.attn_mask
+                positions = [start] + (start + d.tree.depth).tolist()
+                items.append(ForwardItem(seq.block_table, start, ids + d.token_ids, positions, mask))
         return items
 
-    def verify(self, scheduled: list[ScheduledSeq], draft: dict, hidden: torch.Tensor):
-        """Target logits at the sampling rows -> committed tokens per scheduled sequence (None: mid-prompt)."""
-        sample_idx, rows, offset = [], [], 0
+    def verify(self, scheduled: list[ScheduledSeq], draft: dict[int, DraftOf], hidden: torch.Tensor):
+        """Target logits at the sampling rows -> committed tokens per scheduled sequence (None: mid-prompt)
+        and the rows of hidden whose tokens were committed."""
+        sample_idx, rows, offset, row_offsets = [], [], 0, []
         for i, s in enumerate(scheduled):
-            n = s.num_new + (len(draft[i][0]) if i in draft else 0)
+            n = s.num_new + (len(draft[i].token_ids) if i in draft else 0)
+            row_offsets.append(offset)
             if s.completes_prompt:
                 sample_idx.append(i)
                 rows.append(list(range(offset + s.num_new - 1, offset + n)))
             offset += n
         tokens: list[list[int] | None] = [None] * len(scheduled)
-        if not sample_idx:
-            return tokens, self._committed_rows(scheduled, draft, tokens)
-        K = max(len(r) for r in rows) - 1
-        pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in rows], device=hidden.device)   # [B, K+1]
-        logits = self.model.compute_logits(hidden[pad.view(-1)])                                     # [B*(K+1), V]
-        seqs = [scheduled[i].seq for i in sample_idx]
-        num_draft = torch.tensor([len(r) - 1 for r in rows])
-        draft_tokens = torch.tensor([(draft[i][0] if i in draft else []) + [0] * (K - len(draft.get(i, ([],))[0]))
-                                     for i in sample_idx], dtype=torch.int64).view(len(seqs), K)
-        B = len(seqs)
-        if all(seq.params.greedy for seq in seqs):
-            out, num = verify_greedy(logits.view(B, K + 1, -1).argmax(dim=-1).cpu(), draft_tokens, num_draft)
-        else:
-            p = compute_probs(
-                logits,
-                torch.tensor([seq.params.temperature for seq in seqs]).repeat_interleave(K + 1).to(logits.device),
-                torch.tensor([seq.params.top_k for seq in seqs]).repeat_interleave(K + 1).to(logits.device),
-                torch.tensor([seq.params.top_p for seq in seqs]).repeat_interleave(K + 1).to(logits.device),
-            ).view(B, K + 1, -1).cpu()
-            q = None
-            if any(i in draft and draft[i][1] is not None for i in sample_idx):
-                q = torch.zeros(B, K, p.shape[-1])
-                for b, i in enumerate(sample_idx):
-                    if i in draft:
-                        ids, qi = draft[i]
-                        if qi is None:   # deterministic draft in a batch with sampled ones: one-hot q
-                            q[b, torch.arange(len(ids)), torch.tensor(ids)] = 1.0
-                        else:
-                            q[b, :len(ids)] = qi[:, :p.shape[-1]].cpu()
-            seeds, starts = [seq.seed for seq in seqs], [len(seq) for seq in seqs]
-            u = position_uniforms(seeds, starts, K + 1)                                              # [B, K+1]
-            if q is None:
-                out, num = verify_deterministic(p, draft_tokens, num_draft, u)
+        paths: dict[int, list[int]] = {}
+        if sample_idx:
+            B, K = len(sample_idx), max(len(r) for r in rows) - 1
+            pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in rows], device=hidden.device)  # [B, K+1]
+            logits = self.model.compute_logits(hidden[pad.view(-1)])                                  # [B*(K+1), V]
+            seqs = [scheduled[i].seq for i in sample_idx]
+            drafts = [draft.get(i) for i in sample_idx]
+            if all(seq.params.greedy for seq in seqs):
+                y = logits.view(B, K + 1, -1).argmax(dim=-1).cpu()                                   # [B, K+1]
+                p = None
             else:
-                u_accept = position_uniforms(seeds, starts, K, stream=1)
-                out, num = verify_rejection(p, draft_tokens, num_draft, q, u_accept, u)
-        out, num = out.tolist(), num.tolist()
-        for b, i in enumerate(sample_idx):
-            tokens[i] = out[b][:num[b]]
-        return tokens, self._committed_rows(scheduled, draft, tokens)
-
-    def _committed_rows(self, scheduled, draft, tokens) -> list[list[int]]:
-        committed, offset = [], 0
+                p = compute_probs(logits, *self._sampling_tensors(seqs, K + 1, logits.device)).view(B, K + 1, -1).cpu()
+                # the uniform of a row is the one of the sequence position its token would take
+                depth = [d.tree.depth.tolist() if d is not None and d.tree is not None else list(range(1, K + 1))
+                         for d in drafts]
+                positions = [[len(seq)] + [len(seq) + x for x in dep] + [len(seq)] * (K - len(dep))
+                             for seq, dep in zip(seqs, depth)]
+                u = position_uniforms([seq.seed for seq in seqs], positions)                          # [B, K+1]
+                y = sample_from_probs(p.view(B * (K + 1), -1), u.view(-1)).view(B, K + 1)
+            chain = [b for b, d in enumerate(drafts) if d is None or d.tree is None]
+            sampled_q = [b for b in chain if drafts[b] is not None and drafts[b].probs is not None and p is not None]
+            if chain:
+                draft_tokens = torch.tensor([(drafts[b].token_ids if drafts[b] else []) + [0] * (K - len(rows[b]) + 1)
+                                             for b in chain], dtype=torch.int64).view(len(chain), K)
+                num_draft = torch.tensor([len(rows[b]) - 1 for b in chain])
+                out, num = verify_greedy(y[chain], draft_tokens, num_draft)
+                if sampled_q:   # drafts sampled from q: the rejection rule (Leviathan et al.) on those rows
+                    sub = [chain.index(b) for b in sampled_q]
+                    q = torch.zeros(len(sampled_q), K, p.shape[-1])
+                    for r, b in enumerate(sampled_q):
+                        q[r, :len(drafts[b].token_ids)] = drafts[b].probs[:, :p.shape[-1]].cpu()
+                    seeds = [seqs[b].seed for b in sampled_q]
+                    starts = [[len(seqs[b]) + j for j in range(K + 1)] for b in sampled_q]
+                    u_accept = position_uniforms(seeds, [s[:K] for s in starts], stream=1)
+                    u_sample = position_uniforms(seeds, starts)
+                    out_q, num_q = verify_rejection(p[sampled_q], draft_tokens[sub], num_draft[sub], q, u_accept, u_sample)
+                    out[sub], num[sub] = out_q, num_q
+                out, num = out.tolist(), num.tolist()
+                for r, b in enumerate(chain):
+                    tokens[sample_idx[b]] = out[r][:num[r]]
+            for b, d in enumerate(drafts):
+                if d is not None and d.tree is not None:
+                    n = len(d.token_ids)
+                    accepted, final = accept_tree(y[b:b + 1, :n + 1], d.tree, torch.tensor([d.token_ids]))
+                    path = accepted[0].nonzero().squeeze(1).tolist()
+                    tokens[sample_idx[b]] = [d.token_ids[j] for j in path] + [int(final[0])]
+                    paths[sample_idx[b]] = path
+        committed = []
         for i, s in enumerate(scheduled):
-            n = s.num_new + (len(draft[i][0]) if i in draft else 0)
-            num_valid = s.num_new + (len(tokens[i]) - 1 if tokens[i] else 0)
-            committed.append(list(range(offset, offset + num_valid)))
-            offset += n
-        return committed
+            base = row_offsets[i]
+            if i in paths:   # tree: the last token, then the accepted path's nodes
+                committed.append(list(range(base, base + s.num_new)) + [base + s.num_new + j for j in paths[i]])
+                self._compact_path(s.seq, s.seq.num_computed_tokens + s.num_new, paths[i])
+            else:
+                num_valid = s.num_new + (len(tokens[i]) - 1 if tokens[i] else 0)
+                committed.append(list(range(base, base + num_valid)))
+        return tokens, committed
+
+    def _compact_path(self, seq: Sequence, first_node: int, path: list[int]) -> None:
+        """Move the accepted nodes' K/V from their tree slots to consecutive ones; the other branches'
+        entries are left behind, past the sequence's length, to be overwritten."""
+        src = [first_node + j for j in path]
+        dst = list(range(first_node, first_node + len(path)))
+        if src != dst:
+            self.runner.move_kv(seq.block_table, src, dst)
+
+    def _sampling_tensors(self, seqs: list[Sequence], rows_each: int, device) -> tuple[torch.Tensor, ...]:
+        temperature = torch.tensor([seq.params.temperature for seq in seqs]).repeat_interleave(rows_each)
+        top_k = torch.tensor([seq.params.top_k for seq in seqs]).repeat_interleave(rows_each)
+        top_p = torch.tensor([seq.params.top_p for seq in seqs]).repeat_interleave(rows_each)
+        return temperature.to(device), top_k.to(device), top_p.to(device)
 
     def postprocess(self, scheduled: list[ScheduledSeq], draft: dict, tokens: list[list[int] | None]) -> list[StepOutput]:
         outputs = []
@@ -270,7 +318,7 @@ class LLMEngine:
             if new is None:                    # a prompt chunk: nothing sampled yet
                 seq.num_computed_tokens += s.num_new
                 continue
-            num_draft = len(draft[i][0]) if i in draft else 0
+            num_draft = len(draft[i].token_ids) if i in draft else 0
             seq.spec.num_target_forwards += 1
             seq.spec.record(num_draft, len(new) - 1)
             seq.num_computed_tokens += s.num_new + len(new) - 1

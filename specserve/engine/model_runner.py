@@ -39,6 +39,16 @@ class ModelRunner:
         table = np.asarray(block_table, dtype=np.int64)
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
+    def slots_at(self, block_table: list[int], indices: list[int]) -> torch.Tensor:
+        idx = np.asarray(indices, dtype=np.int64)
+        table = np.asarray(block_table, dtype=np.int64)
+        return torch.from_numpy(table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.device)
+
+    def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of cache indices src to dst (all layers), e.g. an accepted tree path."""
+        s, d = self.slots_at(block_table, src), self.slots_at(block_table, dst)
+        self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
+
     def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         ids, positions, slot_mapping = [], [], []
         lens = [len(it.token_ids) for it in items]

@@ -113,15 +113,15 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def position_uniforms(seeds: list[int], starts: list[int], n: int, stream: int = 0) -> torch.Tensor:
-    """[B, n] float64 uniforms in [0, 1): entry (b, j) is a fixed function of (seeds[b], starts[b] + j, stream).
+def position_uniforms(seeds: list[int], positions, stream: int = 0) -> torch.Tensor:
+    """[B, n] float64 uniforms in [0, 1): entry (b, j) is a fixed function of (seeds[b], positions[b][j], stream).
 
     A counter-based generator: the uniform that samples the token at sequence position i is the same
     however many steps it took to get there, so a seeded request draws the same numbers with or without
     speculation (and, for deterministic drafts, yields the same tokens as plain sampling).
     """
     seed = _splitmix64(np.asarray(seeds, dtype=np.uint64) ^ (np.uint64(stream) << np.uint64(56)))
-    pos = np.asarray(starts, dtype=np.uint64)[:, None] + np.arange(n, dtype=np.uint64)[None, :]
+    pos = np.asarray(positions, dtype=np.uint64).reshape(len(seeds), -1)
     with np.errstate(over="ignore"):
         h = _splitmix64(_splitmix64(seed[:, None] + pos * _GOLDEN))
     return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))

@@ -87,7 +87,7 @@ class DraftModelProposer(Proposer):
                 q = compute_probs(logits, torch.tensor([s.params.temperature for s in act_seqs]),
                                   torch.tensor([s.params.top_k for s in act_seqs]),
                                   torch.tensor([s.params.top_p for s in act_seqs]))
-                u = position_uniforms([s.seed for s in act_seqs], [len(s) + j for s in act_seqs], 1, stream=2)[:, 0]
+                u = position_uniforms([s.seed for s in act_seqs], [[len(s) + j] for s in act_seqs], stream=2)[:, 0]
                 tokens = sample_from_probs(q, u).tolist()
                 probs[torch.tensor(active), j] = q
             for i, t in zip(active, tokens):

@@ -1,0 +1,75 @@
+"""Plain decode tokens/s: specserve vs transformers' generate, same random Qwen3 checkpoint, batch 1,
+greedy, 128 new tokens, side by side in one run. Prints a table with the ratio.
+
+    python benchmarks/bench_decode.py [--sizes small,large] [--dtype float32] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import make_checkpoint  # noqa: E402
+
+SIZES = {"small": dict(hidden=256, layers=4, vocab_size=8192),
+         "large": dict(hidden=768, layers=12, vocab_size=32000)}
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+
+
+def bench_transformers(model_dir: Path, ids: list[int], new_tokens: int, dtype: torch.dtype) -> float:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    x = torch.tensor([ids])
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    with torch.inference_mode():
+        model.generate(x, max_new_tokens=8, do_sample=False)          # warm-up
+        start = time.perf_counter()
+        model.generate(x, **kw)
+        return new_tokens / (time.perf_counter() - start)
+
+
+def bench_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: str) -> float:
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))   # warm-up
+    out = llm.generate([ids], params)[0]
+    # whole-request rate, prefill included, like the transformers timing above
+    return new_tokens / (out.ttft_s + out.decode_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    rows = []
+    for name in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as d:
+            model_dir = make_checkpoint(Path(d), "qwen3", **SIZES[name])
+            n_params = sum(p.numel() for p in __import__("safetensors.torch").torch.load_file(
+                str(model_dir / "model.safetensors")).values())
+            from specserve.tokenizer import Tokenizer
+            ids = Tokenizer.from_pretrained(model_dir).encode(PROMPT)
+            hf = max(bench_transformers(model_dir, ids, args.new_tokens, tdtype) for _ in range(args.repeats))
+            ours = max(bench_specserve(model_dir, ids, args.new_tokens, args.dtype) for _ in range(args.repeats))
+            rows.append((name, n_params / 1e6, hf, ours))
+    print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.dtype}, best of {args.repeats}")
+    print(f"| model | params (M) | transformers tok/s | specserve tok/s | ratio |")
+    print(f"|---|---|---|---|---|")
+    for name, n, hf, ours in rows:
+        print(f"| {name} | {n:.1f} | {hf:.0f} | {ours:.0f} | {ours / hf:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
