@@ -221,7 +221,8 @@ def run_server(args: argparse.Namespace) -> None:
     from specserve.sampling_params import SamplingParams
     from specserve.server.cli import engine_config_from_args
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
     try:
         config = engine_config_from_args(args)
         engine = LLMEngine(config)

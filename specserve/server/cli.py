@@ -62,8 +62,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize")
     server.add_argument("--max-queue-len", type=int_at_least(0),
                         help="requests that may wait beyond --max-num-seqs; more get HTTP 503" + default("max_queue_len"))
+    # a concrete default: it replaces the top-level `specserve --log-level` (a server logs its start-up at info)
     server.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
-                        help="logging level" + default("log_level"))
+                        default=SERVE_DEFAULTS["log_level"], type=str.lower, help="logging level" + default("log_level"))
     engine = p.add_argument_group("engine")
     engine.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations dtype; auto: the checkpoint's on CUDA, float32 on CPU")
@@ -107,7 +108,7 @@ def config_file_argv(path: str, parser: argparse.ArgumentParser, flags: set[str]
         name = CONFIG_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
         if name in CONFIG_NEGATIONS and isinstance(value, bool):
             name, value = CONFIG_NEGATIONS[name], not value
-        if name not in flags or name in ("config", "func"):
+        if name not in flags or name in ("config", "func", "log_level"):
             parser.error(f"unknown key {key!r} in --config {path}")
         if name in PATH_KEYS and isinstance(value, str) and not Path(value).is_absolute():
             value = str(file.parent / value)
