@@ -167,7 +167,10 @@ def checked(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace],
         check_args(args, parser.error)
         if needs_model_dir(args) and not (args.model and Path(args.model).is_dir()):
             parser.error(f"--model must be a local model directory here, got {args.model}")
-        run(args)
+        try:
+            run(args)
+        except ConnectionError as e:
+            parser.exit(1, f"{parser.prog}: error: {e}\n")
         return 0
     return run_checked
 

@@ -117,7 +117,10 @@ async def resolve_model(base_url: str, model: str | None, served_model_name: str
     if model and not Path(model).is_dir():
         return model, None
     async with httpx.AsyncClient(timeout=30) as client:
-        return await first_model(client, base_url)
+        try:
+            return await first_model(client, base_url)
+        except httpx.TransportError as e:
+            raise ConnectionError(f"cannot reach the server at {base_url} ({e!r}); is it running?") from None
 
 
 def tokenizer_dir(tokenizer: str | None, model: str | None, server_root: str | None) -> Path:
