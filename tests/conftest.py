@@ -30,7 +30,7 @@ def write_tokenizer(out: Path, vocab_size: int = 400) -> None:
 
 
 def make_checkpoint(out: Path, arch: str = "qwen3", vocab_size: int = 400, hidden: int = 64, layers: int = 2,
-                    seed: int = 0, **overrides) -> Path:
+                    seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     import transformers
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -42,14 +42,14 @@ def make_checkpoint(out: Path, arch: str = "qwen3", vocab_size: int = 400, hidde
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     write_tokenizer(out, vocab_size)
     return out
 
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

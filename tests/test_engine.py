@@ -137,3 +137,24 @@ def test_preemption_when_memory_runs_out_keeps_outputs(qwen3_dir):
     tight = LLM(str(qwen3_dir), kv_cache_memory_gb=6 * 16 * 2 * 2 * 2 * 16 * 4 / (1 << 30), speculative_method="none")
     assert tight.engine.block_manager.num_blocks == 6
     assert [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params)] == expected
+
+
+def test_sharded_checkpoint_loads(tmp_path, qwen3_dir):
+    from conftest import make_checkpoint
+    sharded = make_checkpoint(tmp_path / "sharded", "qwen3", tie_word_embeddings=True, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    a = load_model(sharded)
+    b = load_model(qwen3_dir)
+    ids = torch.arange(20)
+    assert torch.equal(a.compute_logits(a(ids[None], torch.arange(20))[0]), b.compute_logits(b(ids[None], torch.arange(20))[0]))
+
+
+def test_bfloat16_close_to_float32(qwen3_dir):
+    ids = torch.randint(0, 400, (1, 24))
+    m32, m16 = load_model(qwen3_dir, torch.float32), load_model(qwen3_dir, torch.bfloat16)
+    l32 = m32.compute_logits(m32(ids, torch.arange(24))[0])
+    l16 = m16.compute_logits(m16(ids, torch.arange(24))[0]).float()
+    assert (l32 - l16).abs().max() < 0.1 * l32.abs().max()
+    llm = LLM(str(qwen3_dir), dtype="bfloat16", kv_cache_memory_gb=0.01, speculative_method="none")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert len(llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids) == 8

@@ -174,3 +174,20 @@ def test_draft_with_another_vocabulary_is_rejected(tmp_path, damped_pair):
     make_checkpoint(target / "draft", "qwen3", vocab_size=300)
     with pytest.raises(ValueError, match="tokenizer"):
         LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="draft")
+
+
+def test_generation_config_sets_default_draft_length(damped_pair, tmp_path):
+    import json, shutil
+    model = tmp_path / "m"
+    shutil.copytree(damped_pair, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    gen["num_assistant_tokens"] = 2
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(model), kv_cache_memory_gb=0.01, speculative_method="draft")
+    out = llm.generate(PROMPTS[0], greedy(20))[0]
+    assert out.spec["num_draft_tokens"] == 2 * out.spec["num_drafts"] > 0           # generation_config
+    out = llm.generate(PROMPTS[0], greedy(20, num_assistant_tokens=3))[0]
+    assert max(out.spec["num_draft_tokens"] / out.spec["num_drafts"], 0) > 2        # the request wins
+    llm = LLM(str(damped_pair), kv_cache_memory_gb=0.01, speculative_method="draft")
+    out = llm.generate(PROMPTS[0], greedy(20))[0]
+    assert out.spec["accepted_per_position"] and len(out.spec["accepted_per_position"]) == 5   # built-in default
