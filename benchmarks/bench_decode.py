@@ -44,12 +44,33 @@ def bench_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: str
     return new_tokens / (out.ttft_s + out.decode_s)
 
 
+def profile_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: str) -> None:
+    """Where a decode step's time goes: torch's operator profile plus the Python share around it."""
+    from torch.profiler import ProfilerActivity, profile
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([ids], params)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate([ids], params)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    op_total = sum(e.self_cpu_time_total for e in events) / 1e6
+    print(f"\nprofile of {new_tokens} decode steps: wall {wall * 1e3:.0f} ms (profiled), "
+          f"torch operators {op_total * 1e3:.0f} ms, the rest (Python, scheduling, sampling glue) "
+          f"{(wall - op_total) * 1e3:.0f} ms")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also print where specserve's decode time goes")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -64,6 +85,8 @@ def main() -> None:
             hf = max(bench_transformers(model_dir, ids, args.new_tokens, tdtype) for _ in range(args.repeats))
             ours = max(bench_specserve(model_dir, ids, args.new_tokens, args.dtype) for _ in range(args.repeats))
             rows.append((name, n_params / 1e6, hf, ours))
+            if args.profile:
+                profile_specserve(model_dir, ids, args.new_tokens, args.dtype)
     print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.dtype}, best of {args.repeats}")
     print(f"| model | params (M) | transformers tok/s | specserve tok/s | ratio |")
     print(f"|---|---|---|---|---|")
