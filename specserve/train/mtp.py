@@ -1,0 +1,175 @@
+"""`specserve train mtp`: MTP layers for a frozen target, written in the DeepSeek-V3 layout.
+
+Layer d at slot s reads token s and the previous layer's output at slot s - 1 (the target's hidden state
+for d = 0), so it sees the target's state d + 1 tokens back; its label is the target's own next-token
+distribution at slot s (KL(p || q), p the target's), the target's next token d + 1 steps past the state it
+read. Inputs are corpus text with the target's held-out documents left out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from specserve.models.config import ModelConfig
+from specserve.models.mtp import MultiTokenPredictor, load_mtp, save_mtp_folder, save_mtp_into_checkpoint, shift_right
+from specserve.models.registry import load_model, parse_dtype
+from specserve.train import evaluate
+from specserve.train.corpus import Corpus, build_corpus, default_sources, split_file
+from specserve.train.demo import chat_texts, encode_documents
+from specserve.train.trainer import StageConfig, train_stage
+
+
+@dataclass(slots=True)
+class MTPTrainConfig:
+    target: Path
+    out: Path | None = None               # None: into the target's own checkpoint
+    num_layers: int = 1
+    minutes: float = 8.0
+    max_steps: int | None = None
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    sources: list[Path] = field(default_factory=default_sources)
+    max_corpus_mb: float = 8.0
+    heldout_fraction: float = 0.03        # the demo trainer's: the same documents are held out
+    chat_fraction: float = 0.05
+    eval_windows: int = 32
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+    resume: bool = False
+
+
+def init_mtp(target: torch.nn.Module, num_layers: int, seed: int) -> MultiTokenPredictor:
+    """Each layer starts as a copy of the target's last decoder layer, fed enorm(embedding) + hnorm(hidden)."""
+    torch.manual_seed(seed)
+    config = target.config
+    mtp = MultiTokenPredictor(config, num_layers)
+    last = target.model.layers[config.num_hidden_layers - 1].state_dict()
+    H = config.hidden_size
+    for layer in mtp.layers:
+        layer.load_state_dict(last, strict=False)
+        with torch.no_grad():
+            layer.eh_proj.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
+    return mtp
+
+
+def mtp_outputs(mtp: MultiTokenPredictor, target: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Target logits [B, T, V] (no grad) and each MTP layer's logits, cache-free over whole windows."""
+    positions = torch.arange(input_ids.shape[1])
+    with torch.no_grad():
+        hidden, _ = target(input_ids, positions)                                  # [B, T, H]
+        target_logits = target.compute_logits(hidden).float()
+        embeds = target.model.embed_tokens(input_ids)
+        embeds[:, 0] = 0                                                          # slot 0 reads nothing
+    logits = []
+    for layer in range(mtp.num_layers):
+        hidden = mtp(layer, embeds, shift_right(hidden), positions)
+        logits.append(mtp.compute_logits(layer, hidden, target).float())
+    return target_logits, logits
+
+
+def mtp_loss(mtp: MultiTokenPredictor, target: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Sum over layers of KL(p || q) against the target's next-token distribution at the same slot."""
+    target_logits, logits = mtp_outputs(mtp, target, batch[:, :-1])
+    log_p = F.log_softmax(target_logits, dim=-1).flatten(0, 1)
+    return sum(F.kl_div(F.log_softmax(q, dim=-1).flatten(0, 1), log_p, log_target=True, reduction="batchmean")
+               for q in logits)
+
+
+@torch.no_grad()
+def agreement(mtp: MultiTokenPredictor, target: torch.nn.Module, windows: torch.Tensor) -> list[float]:
+    """Per layer, on held-out windows: how often its argmax equals the target's at the same slot."""
+    same, count = [0.0] * mtp.num_layers, 0
+    for chunk in windows.split(8):
+        target_logits, logits = mtp_outputs(mtp, target, chunk[:, :-1])
+        top = target_logits.argmax(-1)
+        for layer, q in enumerate(logits):
+            same[layer] += (q.argmax(-1) == top).sum().item()
+        count += top.numel()
+    return [s / count for s in same]
+
+
+def training_tokens(cfg: MTPTrainConfig, tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Training token ids and held-out ones: the documents the target's heldout.json names, when it has one."""
+    corpus = build_corpus(cfg.sources, cfg.heldout_fraction, int(cfg.max_corpus_mb * 1e6), cfg.seed)
+    heldout_path = cfg.target / "heldout.json"
+    if heldout_path.exists():
+        entries = json.loads(heldout_path.read_text())
+        named = {(e["path"], e["chunk"]) for e in entries}
+        corpus = Corpus([d for d in corpus.train if (d.path, d.chunk) not in named],
+                        [d for e in entries if Path(e["path"]).exists()
+                         for d in split_file(Path(e["path"]), e["name"].split("#")[0]) if d.chunk == e["chunk"]])
+    texts = [d.text for d in corpus.train] + chat_texts(corpus, cfg.chat_fraction, cfg.seed)
+    heldout = encode_documents(tokenizer, [d.text for d in corpus.heldout]) if corpus.heldout else None
+    return encode_documents(tokenizer, texts), heldout
+
+
+def run_mtp_training(cfg: MTPTrainConfig) -> dict:
+    out_dir = cfg.out or cfg.target
+    target = load_model(cfg.target, torch.float32).requires_grad_(False)
+    tokens, heldout = training_tokens(cfg, Tokenizer.from_file(str(cfg.target / "tokenizer.json")))
+    mtp = init_mtp(target, cfg.num_layers, cfg.seed)
+    stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
+    state = train_stage(stage, mtp, lambda batch: mtp_loss(mtp, target, batch), tokens,
+                        out_dir / ".ckpt" / "mtp.pt", cfg.resume)
+    if cfg.out is None:
+        save_mtp_into_checkpoint(mtp, cfg.target, cfg.dtype)
+    else:
+        save_mtp_folder(mtp, cfg.target, cfg.out, cfg.dtype)
+    # measured on the shipped weights, loaded back as the server loads them
+    shipped = load_mtp(out_dir, target.config)
+    summary = {"num_layers": cfg.num_layers, "steps": state.step, "train_seconds": state.seconds,
+               "train_tokens": len(tokens), "first_kl": sum(state.losses[:10]) / max(1, len(state.losses[:10])),
+               "last_kl": sum(state.losses[-50:]) / max(1, len(state.losses[-50:]))}
+    if heldout is not None and len(heldout) > cfg.seq_len + 1:
+        windows = evaluate.windows(heldout, cfg.seq_len, cfg.eval_windows)
+        summary["heldout_greedy_agreement_per_layer"] = agreement(shipped, target, windows)
+    summary_path = (cfg.out or cfg.target / ".ckpt") / "mtp_training_summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
+    defaults = MTPTrainConfig(Path("."))
+    p = subparsers.add_parser("mtp", help="train MTP layers for a frozen target (DeepSeek-V3 layout)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", type=Path, required=True, help="the target model folder")
+    p.add_argument("--layers", type=int, default=defaults.num_layers, help="number of MTP layers")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the layers to this folder (config.json + model.safetensors) instead of into "
+                        "the target's checkpoint")
+    p.add_argument("--minutes", type=float, default=defaults.minutes)
+    p.add_argument("--max-steps", type=int, default=None, help="fixed steps instead of the time budget")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--corpus", type=Path, nargs="+", default=None,
+                   help="text files or folders (default: the demo corpus)")
+    p.add_argument("--max-corpus-mb", type=float, default=defaults.max_corpus_mb)
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--resume", action="store_true", help="continue from the .ckpt folder")
+    p.set_defaults(func=run_mtp_command)
+
+
+def run_mtp_command(args: argparse.Namespace) -> None:
+    if args.layers < 1:
+        raise SystemExit("error: --layers must be >= 1")
+    ModelConfig.from_pretrained(args.target)          # a clear error for a folder without config.json
+    cfg = MTPTrainConfig(target=args.target, out=args.out, num_layers=args.layers, minutes=args.minutes,
+                         max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                         max_corpus_mb=args.max_corpus_mb, dtype=parse_dtype(args.dtype), seed=args.seed,
+                         resume=args.resume)
+    if args.corpus:
+        cfg.sources = args.corpus
+    start = time.monotonic()
+    summary = run_mtp_training(cfg)
+    summary["wall_seconds"] = time.monotonic() - start
+    print(json.dumps(summary, indent=2))

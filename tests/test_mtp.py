@@ -1,0 +1,216 @@
+"""MTP drafting: the DeepSeek-V3 layout, `specserve train mtp`, exactness, and prefix caching."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from specserve.llm import LLM
+from specserve.models.mtp import load_mtp, save_mtp_folder, shift_right
+from specserve.models.registry import load_model
+from specserve.sampling_params import SamplingParams
+from specserve.spec.factory import drafter_kind
+from specserve.train.cli import main as train_main
+from specserve.train.evaluate import logits_of
+
+from conftest import TEXT
+from test_spec import PROMPTS, damped_pair, greedy, ids  # noqa: F401  (damped_pair is a fixture)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype")
+NUM_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def mtp_target(damped_pair, tmp_path_factory):
+    """The damped target with 2 MTP layers trained by `specserve train mtp` into its own checkpoint."""
+    root = tmp_path_factory.mktemp("mtp")
+    target = root / "target"
+    shutil.copytree(damped_pair, target, ignore=shutil.ignore_patterns("draft"))
+    (root / "text.txt").write_text(TEXT)
+    train_main(["train", "mtp", "--target", str(target), "--layers", str(NUM_LAYERS), "--max-steps", "60",
+                "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3", "--corpus", str(root / "text.txt"),
+                "--dtype", "float32"])
+    return target
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_target):
+    return LLM(str(mtp_target), kv_cache_memory_gb=0.01, speculative_method="none")
+
+
+@pytest.fixture(scope="module")
+def mtp_llm(mtp_target):
+    return LLM(str(mtp_target), kv_cache_memory_gb=0.01, block_size=4)
+
+
+def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(sequence tokens, draft) of every proposal the engine makes from now on."""
+    proposer, seen = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def recording(seqs, num_tokens, hidden):
+        draft = propose(seqs, num_tokens, hidden)
+        seen.extend((list(seq.token_ids), d) for seq, d in zip(seqs, draft.token_ids))
+        return draft
+    proposer.propose = recording
+    return seen
+
+
+@torch.no_grad()
+def reference_draft(mtp, target, tokens: list[int], k: int) -> list[int]:
+    """Greedy MTP drafts recomputed without any cache: step j < N is layer j over tokens + drafts so far;
+    past N the last layer reads its own output at the slot before (slot by slot)."""
+    N, c, drafts = mtp.num_layers, len(tokens) - 1, []
+    for step in range(k):
+        input_ids = torch.tensor([tokens + drafts])
+        positions = torch.arange(input_ids.shape[1])
+        hidden, _ = target(input_ids, positions)
+        embeds = target.model.embed_tokens(input_ids)
+        embeds[:, 0] = 0
+        layer = min(step, N - 1)
+        for d in range(layer):
+            hidden = mtp(d, embeds, shift_right(hidden), positions)
+        reads = shift_right(hidden)
+        for s in range(c + N, c + step + 1):
+            reads[:, s] = mtp(layer, embeds, reads, positions)[:, s - 1]
+        out = mtp(layer, embeds, reads, positions)
+        drafts.append(int(mtp.compute_logits(layer, out[:, -1], target).argmax()))
+    return drafts
+
+
+def test_written_in_the_deepseek_layout(mtp_target):
+    config = json.loads((mtp_target / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == NUM_LAYERS and config["architectures"] == ["Qwen3ForCausalLM"]
+    L, H = config["num_hidden_layers"], config["hidden_size"]
+    with safe_open(str(mtp_target / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice(f"model.layers.{L}.eh_proj.weight").get_shape() == [H, 2 * H]
+    for i in range(L, L + NUM_LAYERS):
+        for part in ("enorm.weight", "hnorm.weight", "self_attn.q_proj.weight", "self_attn.k_norm.weight",
+                     "mlp.gate_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            assert f"model.layers.{i}.{part}" in names
+        assert not any(n.startswith(f"model.layers.{i}.shared_head") for n in names)   # the target's are shared
+    assert "model.layers.0.self_attn.q_proj.weight" in names                          # the target is intact
+    assert load_model(mtp_target).config.num_hidden_layers == L
+
+
+def test_deepseek_checkpoint_with_its_own_head_loads(mtp_target, tmp_path):
+    """DeepSeek ships shared_head.norm / shared_head.head and an embed_tokens copy in each MTP layer."""
+    target_dir = tmp_path / "t"
+    shutil.copytree(mtp_target, target_dir)
+    weights = load_file(target_dir / "model.safetensors")
+    config = json.loads((target_dir / "config.json").read_text())
+    L, V, H = config["num_hidden_layers"], config["vocab_size"], config["hidden_size"]
+    head = torch.randn(V, H)
+    for i in range(L, L + NUM_LAYERS):
+        weights[f"model.layers.{i}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[f"model.layers.{i}.shared_head.norm.weight"] = torch.full((H,), 2.0)
+        weights[f"model.layers.{i}.shared_head.head.weight"] = head.clone()
+    save_file(weights, target_dir / "model.safetensors", metadata={"format": "pt"})
+    target = load_model(target_dir)
+    mtp = load_mtp(target_dir, target.config)
+    h = torch.randn(3, H)
+    expected = torch.nn.functional.rms_norm(h, (H,), torch.full((H,), 2.0), target.config.rms_norm_eps) @ head.T
+    assert torch.allclose(mtp.compute_logits(1, h, target), expected, atol=1e-4)
+    weights[f"model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight"] = head.clone()    # an MLA layer is not the target's kind
+    save_file(weights, target_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="target's kind"):
+        load_mtp(target_dir, target.config)
+
+
+def test_detected_and_logged(mtp_llm, mtp_target, caplog):
+    assert mtp_llm.engine.spec_method == "mtp"
+    with caplog.at_level("INFO"):
+        LLM(str(mtp_target), kv_cache_memory_gb=0.01, speculative_method="mtp", num_assistant_tokens=4)
+    assert "drafting with the 2 MTP layer(s)" in caplog.text
+    assert "draft steps 3..4 reuse the last layer" in caplog.text
+
+
+def test_greedy_equals_plain_past_the_number_of_layers(mtp_llm, plain):
+    expected = ids(plain.generate(PROMPTS, greedy()))
+    seen = record_drafts(mtp_llm)
+    accepted, drafted = 0, 0
+    for k in range(1, 7):
+        outs = mtp_llm.generate(PROMPTS, greedy(num_assistant_tokens=k))
+        assert ids(outs) == expected, f"k={k}"
+        assert ids([mtp_llm.generate(PROMPTS[1], greedy(num_assistant_tokens=k))[0]]) == [expected[1]]
+        accepted += sum(o.spec["num_accepted_tokens"] for o in outs)
+        drafted += sum(o.spec["num_draft_tokens"] for o in outs)
+    assert 0 < accepted < drafted
+    # the cached drafting (catch-up, tails, layer reuse past N) drafts what a cache-free recomputation does
+    mtp, target = mtp_llm.engine.proposer.mtp, mtp_llm.engine.model
+    for tokens, draft in seen[::5]:
+        assert draft == reference_draft(mtp, target, tokens, len(draft))
+
+
+def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):
+    params = [greedy(num_assistant_tokens=k) for k in (0, 1, 3, 6, 2, 5)]
+    assert ids(mtp_llm.generate(PROMPTS * 2, params)) == ids(plain.generate(PROMPTS * 2, greedy()))
+    unbounded = SamplingParams(temperature=0, num_assistant_tokens=4)
+    out = mtp_llm.generate(PROMPTS[0], unbounded)[0]
+    assert out.outputs[0].token_ids == plain.generate(PROMPTS[0], SamplingParams(temperature=0))[0].outputs[0].token_ids
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_prefix_cache_hit_equals_miss(mtp_target):
+    """Same outputs, acceptance and drafts whether the prompt's blocks come from the prefix cache or not,
+    including a prompt that shares only a prefix (the MTP layers read one slot back across the block edge)."""
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0][:40] + " the lazy dog", PROMPTS[0] + PROMPTS[2]]
+    results = {}
+    for caching in (False, True):
+        llm = LLM(str(mtp_target), kv_cache_memory_gb=0.01, block_size=4, enable_prefix_caching=caching)
+        seen = record_drafts(llm)
+        cached = []
+        for p in prompts:   # one at a time, so the later ones can hit the earlier ones' blocks
+            seq = llm.engine.add_request(llm.tokenizer.encode(p), greedy(30, num_assistant_tokens=3))
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            cached.append(seq.num_cached_tokens)
+            results.setdefault(caching, []).append((seq.output_token_ids, seq.spec.to_dict()))
+        assert (min(cached[1:]) > 0) == caching
+        results[caching].append(seen)
+    assert results[True] == results[False]
+
+
+def second_token_marginal(model, prompt: list[int]) -> np.ndarray:
+    """sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), computed without the engine."""
+    p1 = torch.softmax(logits_of(model, torch.tensor([prompt]))[0, -1], -1)
+    V = p1.shape[0]
+    p2 = torch.softmax(logits_of(model, torch.tensor([prompt + [t] for t in range(V)]))[:, -1], -1)
+    return (p1[:, None] * p2).sum(0).double().numpy()
+
+
+def test_sampled_output_has_the_target_distribution(mtp_target):
+    llm = LLM(str(mtp_target), kv_cache_memory_gb=0.05, max_num_seqs=256)
+    prompt = llm.tokenizer.encode("The quick brown")
+    n = 2000
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i,
+                                                      num_assistant_tokens=3) for i in range(n)])
+    accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
+    assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in outs)
+    counts = np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=llm.engine.model_config.vocab_size)
+    expected = second_token_marginal(llm.engine.model, prompt) * n
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_layers_in_a_separate_folder(mtp_target, tmp_path):
+    """The shipped demo layout: the target's checkpoint untouched, the layers in a subfolder."""
+    target_dir = tmp_path / "t"
+    shutil.copytree(mtp_target, target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    config.pop("num_nextn_predict_layers")
+    (target_dir / "config.json").write_text(json.dumps(config))
+    target = load_model(target_dir)
+    save_mtp_folder(load_mtp(mtp_target, target.config), target_dir, target_dir / "mtp", torch.float32)
+    assert drafter_kind(target_dir / "mtp") == "mtp"
+    for method in (None, "mtp"):
+        llm = LLM(str(target_dir), kv_cache_memory_gb=0.01, speculative_method=method)
+        assert llm.engine.spec_method == "mtp"
+        out = llm.generate(PROMPTS[1], greedy(num_assistant_tokens=3))[0]
+        assert out.spec["num_accepted_tokens"] > 0
