@@ -81,4 +81,8 @@ def build_proposer(config, engine):
         proposer = DraftModelProposer(path, engine)
         logger.info("drafting with the draft model in %s", path)
         return proposer, "draft", proposer.kv_bytes_per_token
+    if method == "mtp":
+        from specserve.spec.mtp import MTPProposer
+        proposer = MTPProposer(path, engine)
+        return proposer, "mtp", proposer.kv_bytes_per_token
     raise ValueError(f"speculative method {method!r} is not supported yet")
