@@ -20,7 +20,8 @@ from specserve.engine.async_engine import AsyncEngine, EngineOverloadedError
 from specserve.engine.llm_engine import LLMEngine
 from specserve.sampling_params import SamplingParams
 from specserve.server.api_server import build_app, run_server
-from specserve.server.cli import add_serve_parser, engine_config_from_args, resolve_serve_args
+from specserve.cli_args import engine_config_from_args
+from specserve.server.cli import add_serve_parser, resolve_serve_args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

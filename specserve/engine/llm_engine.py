@@ -11,26 +11,18 @@ from specserve.config import EngineConfig, MAX_NUM_ASSISTANT_TOKENS, SpecDefault
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.sequence import Sequence, SequenceStatus, SpecStats
-from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
+from specserve.engine.sequence import Sequence, SpecStats
+from specserve.engine.stop_checker import append_tokens
+from specserve.engine.verifier import DraftOf, verify_step
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
 from specserve.spec.proposer import Draft, TargetHidden
-from specserve.spec.tree import Tree, accept_tree
-from specserve.spec.verify import verify_greedy, verify_rejection
+from specserve.spec.tree import Tree
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class DraftOf:
-    """One sequence's draft in one step: its tokens, q rows when sampled, its tree when not a chain."""
-    token_ids: list[int]
-    probs: torch.Tensor | None = None      # [k, V]
-    tree: Tree | None = None
 
 
 class RequestError(ValueError):
@@ -227,73 +219,10 @@ class LLMEngine:
         return items
 
     def verify(self, scheduled: list[ScheduledSeq], draft: dict[int, DraftOf], hidden: torch.Tensor):
-        """Target logits at the sampling rows -> committed tokens per scheduled sequence (None: mid-prompt)
-        and the rows of hidden whose tokens were committed."""
-        sample_idx, rows, offset, row_offsets = [], [], 0, []
-        for i, s in enumerate(scheduled):
-            n = s.num_new + (len(draft[i].token_ids) if i in draft else 0)
-            row_offsets.append(offset)
-            if s.completes_prompt:
-                sample_idx.append(i)
-                rows.append(list(range(offset + s.num_new - 1, offset + n)))
-            offset += n
-        tokens: list[list[int] | None] = [None] * len(scheduled)
-        paths: dict[int, list[int]] = {}
-        if sample_idx:
-            B, K = len(sample_idx), max(len(r) for r in rows) - 1
-            pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in rows], device=hidden.device)  # [B, K+1]
-            logits = self.model.compute_logits(hidden[pad.view(-1)])                                  # [B*(K+1), V]
-            seqs = [scheduled[i].seq for i in sample_idx]
-            drafts = [draft.get(i) for i in sample_idx]
-            if all(seq.params.greedy for seq in seqs):
-                y = logits.view(B, K + 1, -1).argmax(dim=-1).cpu()                                   # [B, K+1]
-                p = None
-            else:
-                p = compute_probs(logits, *self._sampling_tensors(seqs, K + 1, logits.device)).view(B, K + 1, -1).cpu()
-                # the uniform of a row is the one of the sequence position its token would take
-                depth = [d.tree.depth.tolist() if d is not None and d.tree is not None else list(range(1, K + 1))
-                         for d in drafts]
-                positions = [[len(seq)] + [len(seq) + x for x in dep] + [len(seq)] * (K - len(dep))
-                             for seq, dep in zip(seqs, depth)]
-                u = position_uniforms([seq.seed for seq in seqs], positions)                          # [B, K+1]
-                y = sample_from_probs(p.view(B * (K + 1), -1), u.view(-1)).view(B, K + 1)
-            chain = [b for b, d in enumerate(drafts) if d is None or d.tree is None]
-            sampled_q = [b for b in chain if drafts[b] is not None and drafts[b].probs is not None and p is not None]
-            if chain:
-                draft_tokens = torch.tensor([(drafts[b].token_ids if drafts[b] else []) + [0] * (K - len(rows[b]) + 1)
-                                             for b in chain], dtype=torch.int64).view(len(chain), K)
-                num_draft = torch.tensor([len(rows[b]) - 1 for b in chain])
-                out, num = verify_greedy(y[chain], draft_tokens, num_draft)
-                if sampled_q:   # drafts sampled from q: the rejection rule (Leviathan et al.) on those rows
-                    sub = [chain.index(b) for b in sampled_q]
-                    q = torch.zeros(len(sampled_q), K, p.shape[-1])
-                    for r, b in enumerate(sampled_q):
-                        q[r, :len(drafts[b].token_ids)] = drafts[b].probs[:, :p.shape[-1]].cpu()
-                    seeds = [seqs[b].seed for b in sampled_q]
-                    starts = [[len(seqs[b]) + j for j in range(K + 1)] for b in sampled_q]
-                    u_accept = position_uniforms(seeds, [s[:K] for s in starts], stream=1)
-                    u_sample = position_uniforms(seeds, starts)
-                    out_q, num_q = verify_rejection(p[sampled_q], draft_tokens[sub], num_draft[sub], q, u_accept, u_sample)
-                    out[sub], num[sub] = out_q, num_q
-                out, num = out.tolist(), num.tolist()
-                for r, b in enumerate(chain):
-                    tokens[sample_idx[b]] = out[r][:num[r]]
-            for b, d in enumerate(drafts):
-                if d is not None and d.tree is not None:
-                    n = len(d.token_ids)
-                    accepted, final = accept_tree(y[b:b + 1, :n + 1], d.tree, torch.tensor([d.token_ids]))
-                    path = accepted[0].nonzero().squeeze(1).tolist()
-                    tokens[sample_idx[b]] = [d.token_ids[j] for j in path] + [int(final[0])]
-                    paths[sample_idx[b]] = path
-        committed = []
-        for i, s in enumerate(scheduled):
-            base = row_offsets[i]
-            if i in paths:   # tree: the last token, then the accepted path's nodes
-                committed.append(list(range(base, base + s.num_new)) + [base + s.num_new + j for j in paths[i]])
-                self._compact_path(s.seq, s.seq.num_computed_tokens + s.num_new, paths[i])
-            else:
-                num_valid = s.num_new + (len(tokens[i]) - 1 if tokens[i] else 0)
-                committed.append(list(range(base, base + num_valid)))
+        tokens, committed, paths = verify_step(scheduled, draft, hidden, self.model.compute_logits)
+        for i, path in paths.items():
+            s = scheduled[i]
+            self._compact_path(s.seq, s.seq.num_computed_tokens + s.num_new, path)
         return tokens, committed
 
     def _compact_path(self, seq: Sequence, first_node: int, path: list[int]) -> None:
@@ -303,12 +232,6 @@ class LLMEngine:
         dst = list(range(first_node, first_node + len(path)))
         if src != dst:
             self.runner.move_kv(seq.block_table, src, dst)
-
-    def _sampling_tensors(self, seqs: list[Sequence], rows_each: int, device) -> tuple[torch.Tensor, ...]:
-        temperature = torch.tensor([seq.params.temperature for seq in seqs]).repeat_interleave(rows_each)
-        top_k = torch.tensor([seq.params.top_k for seq in seqs]).repeat_interleave(rows_each)
-        top_p = torch.tensor([seq.params.top_p for seq in seqs]).repeat_interleave(rows_each)
-        return temperature.to(device), top_k.to(device), top_p.to(device)
 
     def postprocess(self, scheduled: list[ScheduledSeq], draft: dict, tokens: list[list[int] | None]) -> list[StepOutput]:
         outputs = []
@@ -324,54 +247,13 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_new + len(new) - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            appended, text = self._append(seq, new)
+            appended, text = append_tokens(seq, new, self.detokenizers[seq.seq_id], self.tokenizer.eos_token_ids,
+                                           self.max_model_len)
             self.block_manager.truncate(seq, seq.num_computed_tokens)
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(StepOutput(seq.request_id, appended, text, seq.finish_reason is not None, seq))
         return outputs
-
-    def _append(self, seq: Sequence, new: list[int]) -> tuple[list[int], str]:
-        """Append tokens one at a time, stopping exactly where plain decoding would have stopped."""
-        params, eos = seq.params, self.tokenizer.eos_token_ids
-        detok = self.detokenizers[seq.seq_id]
-        appended: list[int] = []
-        for token in new:
-            seq.token_ids.append(token)
-            appended.append(token)
-            piece = detok.add([token])
-            if params.stop and piece:
-                start = max(0, len(seq.output_text) - max(map(len, params.stop)) + 1)
-                seq.output_text += piece
-                hits = [(seq.output_text.find(stop, start), stop) for stop in params.stop]
-                hits = [(pos, stop) for pos, stop in hits if pos >= 0]
-                if hits:
-                    pos, stop = min(hits)
-                    seq.output_text = seq.output_text[:pos]
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    break
-            else:
-                seq.output_text += piece
-            if token in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-                break
-            if not params.ignore_eos and token in eos:
-                seq.finish_reason, seq.stop_reason = "stop", None
-                break
-            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-                seq.finish_reason = "length"
-                break
-            if len(seq) >= self.max_model_len:
-                seq.finish_reason = "length"
-                break
-        if seq.finish_reason is not None and not isinstance(seq.stop_reason, str):
-            seq.output_text += detok.flush()
-        new_text = seq.output_text[seq.num_emitted_chars:]
-        if params.stop and seq.finish_reason is None:   # hold back what may begin a stop string
-            hold = max(map(len, params.stop)) - 1
-            new_text = new_text[:max(0, len(new_text) - hold)]
-        seq.num_emitted_chars += len(new_text)
-        return appended, new_text
 
     def _register(self, seq: Sequence) -> None:
         if seq.is_finished:

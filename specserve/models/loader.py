@@ -92,7 +92,7 @@ def unpacked_state_dict(model: nn.Module, packed: dict[str, tuple[str, int]]) ->
         by_fused.setdefault(fused, []).append((idx, hf_part))
     out = {}
     for name, param in model.named_parameters():
-        module_name, leaf = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+        leaf = name.rsplit(".", 2)[1]
         if leaf in by_fused:
             sizes = _shard_sizes(model, name, param)
             parts = param.detach().split(sizes, dim=0)

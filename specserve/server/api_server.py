@@ -219,7 +219,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     from specserve.engine.llm_engine import LLMEngine
     from specserve.sampling_params import SamplingParams
-    from specserve.server.cli import engine_config_from_args
+    from specserve.cli_args import engine_config_from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from specserve.cli_args import ENGINE_DEFAULTS, add_engine_arguments, engine_config_from_args, int_at_least
+from specserve.cli_args import ENGINE_DEFAULTS, add_engine_arguments, int_at_least
 from specserve.cli_args import default as engine_default
 
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_queue_len": 256, "log_level": "info",
