@@ -176,6 +176,22 @@ def test_prefix_cache_hit_equals_miss(mtp_target):
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("settings", [dict(max_num_batched_tokens=7), dict(kv_cache_memory_gb=0.0002, block_size=4)])
+def test_chunked_prefill_and_preemption(mtp_target, plain, settings):
+    """Prompt chunks and preempted sequences (recomputed, partly from the prefix cache) keep the MTP
+    caches exact: the output is plain decoding's and the drafts are the cache-free ones."""
+    prompts = PROMPTS * 2
+    llm = LLM(str(mtp_target), **({"kv_cache_memory_gb": 0.01} | settings))
+    preempt, preempted = llm.engine.scheduler.preempt, []
+    llm.engine.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    seen = record_drafts(llm)
+    assert ids(llm.generate(prompts, greedy(60, num_assistant_tokens=4))) == ids(plain.generate(prompts, greedy(60)))
+    assert bool(preempted) == ("block_size" in settings)
+    mtp, target = llm.engine.proposer.mtp, llm.engine.model
+    for tokens, draft in seen[::7]:
+        assert draft == reference_draft(mtp, target, tokens, len(draft))
+
+
 def second_token_marginal(model, prompt: list[int]) -> np.ndarray:
     """sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), computed without the engine."""
     p1 = torch.softmax(logits_of(model, torch.tensor([prompt]))[0, -1], -1)
