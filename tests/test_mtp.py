@@ -33,7 +33,7 @@ def mtp_target(damped_pair, tmp_path_factory):
     (root / "text.txt").write_text(TEXT)
     train_main(["train", "mtp", "--target", str(target), "--layers", str(NUM_LAYERS), "--max-steps", "60",
                 "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3", "--corpus", str(root / "text.txt"),
-                "--dtype", "float32"])
+                "--dtype", "float32", "--reuse-steps", "1"])
     return target
 
 
@@ -96,6 +96,11 @@ def test_written_in_the_deepseek_layout(mtp_target):
         assert not any(n.startswith(f"model.layers.{i}.shared_head") for n in names)   # the target's are shared
     assert "model.layers.0.self_attn.q_proj.weight" in names                          # the target is intact
     assert load_model(mtp_target).config.num_hidden_layers == L
+
+
+def test_training_lowers_the_loss(mtp_target):
+    summary = json.loads((mtp_target / ".ckpt" / "mtp_training_summary.json").read_text())
+    assert summary["steps"] == 60 and summary["last_loss"] < 0.7 * summary["first_loss"]
 
 
 def test_deepseek_checkpoint_with_its_own_head_loads(mtp_target, tmp_path):

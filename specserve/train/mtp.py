@@ -36,6 +36,7 @@ class MTPTrainConfig:
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
+    reuse_steps: int = 0                  # extra steps of the last layer on its own output, in the loss
     sources: list[Path] = field(default_factory=default_sources)
     max_corpus_mb: float = 8.0
     heldout_fraction: float = 0.03        # the demo trainer's: the same documents are held out
@@ -60,8 +61,11 @@ def init_mtp(target: torch.nn.Module, num_layers: int, seed: int) -> MultiTokenP
     return mtp
 
 
-def mtp_outputs(mtp: MultiTokenPredictor, target: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Target logits [B, T, V] (no grad) and each MTP layer's logits, cache-free over whole windows."""
+def mtp_outputs(mtp: MultiTokenPredictor, target: torch.nn.Module, input_ids: torch.Tensor,
+                reuse_steps: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Target logits [B, T, V] (no grad) and each MTP layer's logits, cache-free over whole windows, then
+    reuse_steps more of the last layer reading its own output (as drafting past N does, though there
+    only the last slots read it)."""
     positions = torch.arange(input_ids.shape[1])
     with torch.no_grad():
         hidden, _ = target(input_ids, positions)                                  # [B, T, H]
@@ -69,26 +73,31 @@ def mtp_outputs(mtp: MultiTokenPredictor, target: torch.nn.Module, input_ids: to
         embeds = target.model.embed_tokens(input_ids)
         embeds[:, 0] = 0                                                          # slot 0 reads nothing
     logits = []
-    for layer in range(mtp.num_layers):
+    for depth in range(mtp.num_layers + reuse_steps):
+        layer = min(depth, mtp.num_layers - 1)
         hidden = mtp(layer, embeds, shift_right(hidden), positions)
         logits.append(mtp.compute_logits(layer, hidden, target).float())
     return target_logits, logits
 
 
-def mtp_loss(mtp: MultiTokenPredictor, target: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Sum over layers of KL(p || q) against the target's next-token distribution at the same slot."""
-    target_logits, logits = mtp_outputs(mtp, target, batch[:, :-1])
+def mtp_loss(mtp: MultiTokenPredictor, target: torch.nn.Module, batch: torch.Tensor, reuse_steps: int = 0,
+             reuse_weight: float = 0.5) -> torch.Tensor:
+    """Sum over layers of KL(p || q) against the target's next-token distribution at the same slot; the
+    reuse steps weigh reuse_weight each."""
+    target_logits, logits = mtp_outputs(mtp, target, batch[:, :-1], reuse_steps)
     log_p = F.log_softmax(target_logits, dim=-1).flatten(0, 1)
-    return sum(F.kl_div(F.log_softmax(q, dim=-1).flatten(0, 1), log_p, log_target=True, reduction="batchmean")
-               for q in logits)
+    weights = [1.0] * mtp.num_layers + [reuse_weight] * reuse_steps
+    return sum(w * F.kl_div(F.log_softmax(q, dim=-1).flatten(0, 1), log_p, log_target=True, reduction="batchmean")
+               for w, q in zip(weights, logits))
 
 
 @torch.no_grad()
-def agreement(mtp: MultiTokenPredictor, target: torch.nn.Module, windows: torch.Tensor) -> list[float]:
-    """Per layer, on held-out windows: how often its argmax equals the target's at the same slot."""
-    same, count = [0.0] * mtp.num_layers, 0
+def agreement(mtp: MultiTokenPredictor, target: torch.nn.Module, windows: torch.Tensor, reuse_steps: int = 0) -> list[float]:
+    """Per layer (then per reuse step), on held-out windows: how often its argmax equals the target's at
+    the same slot."""
+    same, count = [0.0] * (mtp.num_layers + reuse_steps), 0
     for chunk in windows.split(8):
-        target_logits, logits = mtp_outputs(mtp, target, chunk[:, :-1])
+        target_logits, logits = mtp_outputs(mtp, target, chunk[:, :-1], reuse_steps)
         top = target_logits.argmax(-1)
         for layer, q in enumerate(logits):
             same[layer] += (q.argmax(-1) == top).sum().item()
@@ -117,7 +126,7 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     tokens, heldout = training_tokens(cfg, Tokenizer.from_file(str(cfg.target / "tokenizer.json")))
     mtp = init_mtp(target, cfg.num_layers, cfg.seed)
     stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
-    state = train_stage(stage, mtp, lambda batch: mtp_loss(mtp, target, batch), tokens,
+    state = train_stage(stage, mtp, lambda batch: mtp_loss(mtp, target, batch, cfg.reuse_steps), tokens,
                         out_dir / ".ckpt" / "mtp.pt", cfg.resume)
     if cfg.out is None:
         save_mtp_into_checkpoint(mtp, cfg.target, cfg.dtype)
@@ -125,15 +134,19 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
         save_mtp_folder(mtp, cfg.target, cfg.out, cfg.dtype)
     # measured on the shipped weights, loaded back as the server loads them
     shipped = load_mtp(out_dir, target.config)
-    summary = {"num_layers": cfg.num_layers, "steps": state.step, "train_seconds": state.seconds,
-               "train_tokens": len(tokens), "first_kl": sum(state.losses[:10]) / max(1, len(state.losses[:10])),
-               "last_kl": sum(state.losses[-50:]) / max(1, len(state.losses[-50:]))}
+    summary = {"num_layers": cfg.num_layers, "reuse_steps": cfg.reuse_steps, "steps": state.step,
+               "train_seconds": state.seconds, "train_tokens": len(tokens),
+               "first_loss": _mean(state.losses[:10]), "last_loss": _mean(state.losses[-50:])}
     if heldout is not None and len(heldout) > cfg.seq_len + 1:
         windows = evaluate.windows(heldout, cfg.seq_len, cfg.eval_windows)
-        summary["heldout_greedy_agreement_per_layer"] = agreement(shipped, target, windows)
+        summary["heldout_greedy_agreement_per_depth"] = agreement(shipped, target, windows, max(2, cfg.reuse_steps))
     summary_path = (cfg.out or cfg.target / ".ckpt") / "mtp_training_summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))
 
 
 def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -150,6 +163,8 @@ def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--seq-len", type=int, default=defaults.seq_len)
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--reuse-steps", type=int, default=defaults.reuse_steps,
+                   help="also train the last layer on this many steps of reading its own output")
     p.add_argument("--corpus", type=Path, nargs="+", default=None,
                    help="text files or folders (default: the demo corpus)")
     p.add_argument("--max-corpus-mb", type=float, default=defaults.max_corpus_mb)
@@ -165,6 +180,7 @@ def run_mtp_command(args: argparse.Namespace) -> None:
     ModelConfig.from_pretrained(args.target)          # a clear error for a folder without config.json
     cfg = MTPTrainConfig(target=args.target, out=args.out, num_layers=args.layers, minutes=args.minutes,
                          max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                         reuse_steps=args.reuse_steps,
                          max_corpus_mb=args.max_corpus_mb, dtype=parse_dtype(args.dtype), seed=args.seed,
                          resume=args.resume)
     if args.corpus:
