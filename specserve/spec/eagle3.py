@@ -1,0 +1,305 @@
+"""EAGLE3 drafting: a one-layer head that reads three of the target's hidden states.
+
+The head's paged KV cache shares the target's block tables. Slot j holds the head's entry for
+(fc(target states at j-1), token j) at rotary position j-1, whose output predicts token j+1; slot 0
+holds nothing and is masked. A slot therefore depends only on tokens up to its own, so full blocks
+are valid prefix-cache entries for the head too; the fc(states) at the last slot of every full block
+(`block_tails`) lets a cache hit resume where a miss would. After every target forward the head
+catches up on the committed tokens and keeps `tail`, the fc(states) its next slot reads.
+
+A draft is a tree grown level by level (a chain is the tree with branching 1 and depth k): the root
+forward runs the last token from the tail; a drafted node feeds the head its parent's pre-norm output
+and its own token, at scratch slots past the committed context where it sees only its ancestors.
+Drafts are deterministic (top tokens), so the engine verifies them exactly by sampling from the target.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specserve.config import MAX_NUM_ASSISTANT_TOKENS
+from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.engine.sequence import Sequence
+from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
+from specserve.spec.proposer import Draft, Proposer, TargetHidden
+
+logger = logging.getLogger(__name__)
+
+# a short built-in prompt set for the start-up check of the head against its target
+CHECK_PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def factorial(n):\n    if n == 0:\n        return 1\n    return n * factorial(n - 1)\n",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+    "arrows of outrageous fortune, or to take arms against a sea of troubles.",
+    "import os\nimport sys\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, item):\n        self.items.append(item)\n",
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is Rome.",
+]
+NEAR_ZERO_ACCEPTANCE = 0.1
+
+
+@dataclass(slots=True)
+class HeadState:
+    num_computed: int                      # head slots [1, num_computed) hold K/V (== seq.num_drafter_computed)
+    tail: torch.Tensor | None              # [H] fc(target states) at num_computed - 1: what the next slot reads
+
+
+@dataclass(slots=True)
+class GrowingTree:
+    """One sequence's draft tree while it grows. Node j: token, parent (-1: the root), cumulative
+    draft log-probability, level (1 for the root's children). Fed nodes have head K/V at scratch slots."""
+    branching: int
+    depth: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)            # nodes fed to the head, in slot order
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    root_output: torch.Tensor | None = None                 # the head's output at the last token
+
+    def add_children(self, parent: int, tokens: list[int], logps: list[float], level: int) -> None:
+        base = self.scores[parent] if parent >= 0 else 0.0
+        for token, logp in zip(tokens[:self.branching], logps[:self.branching]):
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(base + logp)
+            self.levels.append(level)
+
+    def best(self, nodes: list[int], n: int) -> list[int]:
+        """The n best nodes by cumulative probability; ties go to the earlier node, so a parent always
+        ranks before its children and the best n of the whole tree form a connected subtree."""
+        return sorted(nodes, key=lambda j: (-self.scores[j], j))[:n]
+
+    def to_expand(self, level: int) -> list[int]:
+        return self.best([j for j, lv in enumerate(self.levels) if lv == level], self.branching)
+
+    def is_ancestor(self, a: int, j: int) -> bool:
+        while j >= 0:
+            j = self.parents[j]
+            if j == a:
+                return True
+        return False
+
+    def select(self, k: int) -> tuple[list[int], list[int]]:
+        """The best k nodes, in index order (ancestors first): (tokens, parents re-indexed)."""
+        keep = sorted(self.best(list(range(len(self.tokens))), k))
+        index = {j: i for i, j in enumerate(keep)}
+        return [self.tokens[j] for j in keep], [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep]
+
+
+class Eagle3Proposer(Proposer):
+    uses_kv_cache = True
+    supports_tree = True
+
+    def __init__(self, path: str | Path, engine):
+        target = engine.model_config
+        self.config = Eagle3Config.from_pretrained(path)
+        self.layers = resolve_aux_layers(self.config.aux_layer_ids, target.num_hidden_layers)
+        self.aux_layers = tuple(sorted(set(self.layers)))
+        # the head reads the states concatenated in layer order, as vLLM and SGLang capture them
+        self.aux_order = [self.aux_layers.index(i) for i in sorted(self.layers)]
+        max_positions = max(self.config.layer.max_position_embeddings, engine.max_model_len) + MAX_NUM_ASSISTANT_TOKENS
+        self.head: Eagle3Head = load_eagle3_head(path, engine.model.model.embed_tokens, target, engine.dtype,
+                                                 engine.device, max_positions)
+        c = self.config.layer
+        self.block_size = engine.config.block_size
+        tail_bytes = c.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
+        self.kv_bytes_per_token = (kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, engine.dtype)
+                                   + -(-tail_bytes // self.block_size))
+        self.dtype, self.device = engine.dtype, engine.device
+        self.states: dict[int, HeadState] = {}
+        written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"
+        logger.info("EAGLE3 head %s reads the target's hidden states entering layers %s (%s, target of %d layers)",
+                    path, list(self.layers), written, target.num_hidden_layers)
+
+    def bind(self, engine) -> None:
+        c = self.config.layer
+        self.num_blocks = engine.block_manager.num_blocks
+        self.runner = ModelRunner(self.head, 1, c.num_key_value_heads, c.head_dim, self.num_blocks, self.block_size,
+                                  self.dtype, self.device)
+        self.block_tails = torch.zeros(self.num_blocks, c.hidden_size, dtype=self.dtype, device=self.device)
+        self.check_acceptance(engine)
+
+    def _forward(self, items: list[ForwardItem], hidden: torch.Tensor,
+                 earlier_nodes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Head forward over the items' new slots; hidden [N, H] is what each new slot reads. Slot 0 is
+        masked. earlier_nodes[b] [n, m]: which of the m slots just before item b's start (tree nodes fed
+        at earlier levels) each of its n new nodes may see."""
+        input_ids, positions, ctx = self.runner.prepare(items)
+        if ctx.attn_mask is None:                                   # one item, one slot: it sees everything
+            ctx.attn_mask = torch.ones(1, 1, 1, items[0].start + 1, dtype=torch.bool, device=self.device)
+        ctx.attn_mask[..., 0] = False
+        for b, (item, seen) in enumerate(zip(items, earlier_nodes or [])):
+            ctx.attn_mask[b, 0, :seen.shape[0], item.start - seen.shape[1]:item.start] = seen.to(self.device)
+        return self.head(input_ids, hidden, positions, ctx)
+
+    # ---- catching up on the target ---------------------------------------------------------------
+    def _state(self, seq: Sequence) -> HeadState | None:
+        """Where the head resumes: its own state, or a restart where the engine reset the count (a new
+        sequence, a preemption, a prefix-cache hit: the hit's last block holds the tail)."""
+        state, start = self.states.get(seq.seq_id), seq.num_drafter_computed
+        if state is not None and state.num_computed == start:
+            return state
+        if start == 0:
+            return HeadState(0, None)
+        if start % self.block_size == 0:
+            return HeadState(start, self.block_tails[seq.block_table[start // self.block_size - 1]].clone())
+        return None
+
+    @torch.inference_mode()
+    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
+        work, rows = [], []
+        for seq, seq_rows in zip(seqs, hidden.rows):
+            if seq.is_finished or not seq_rows:
+                continue
+            state = self._state(seq)
+            if state is None or state.num_computed != seq.num_computed_tokens - len(seq_rows):
+                self.states.pop(seq.seq_id, None)       # a gap the head cannot fill: it stops drafting here
+                continue
+            work.append((seq, state, len(seq_rows)))
+            rows.extend(seq_rows)
+        if not work:
+            return
+        rows_t = torch.tensor(rows, device=hidden.final.device)
+        states = self.head.fc(torch.cat([hidden.aux[j][rows_t] for j in self.aux_order], dim=-1).to(self.dtype))
+        items, inputs = [], []
+        for (seq, state, n), fed in zip(work, states.split([n for _, _, n in work])):
+            start, end = state.num_computed, seq.num_computed_tokens
+            reads = fed[:-1] if state.tail is None else torch.cat([state.tail[None], fed[:-1]])
+            first = end - len(reads)                                # slot 1 when starting from nothing
+            if len(reads):
+                items.append(ForwardItem(seq.block_table, first, seq.token_ids[first:end], list(range(first - 1, end - 1))))
+                inputs.append(reads)
+            for p in range(start, end):                             # the tail of every block this forward fills
+                if p % self.block_size == self.block_size - 1:
+                    self.block_tails[seq.block_table[p // self.block_size]] = fed[p - start]
+            self.states[seq.seq_id] = HeadState(end, fed[-1])
+            seq.num_drafter_computed = end
+        if items:
+            self._forward(items, torch.cat(inputs))
+
+    def on_finished(self, seq: Sequence) -> None:
+        self.states.pop(seq.seq_id, None)
+
+    # ---- drafting ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+        trees: dict[int, GrowingTree] = {}
+        for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
+            state = self.states.get(seq.seq_id)
+            if state is None or state.tail is None or state.num_computed != seq.num_computed_tokens \
+                    or state.num_computed != seq.num_drafter_computed or len(seq) != state.num_computed + 1:
+                continue
+            p = seq.params
+            trees[i] = GrowingTree(p.branching_factor, min(p.tree_depth, k)) if p.tree_depth > 0 else GrowingTree(1, k)
+        if trees:
+            self._grow(seqs, trees)
+        token_ids, parents = [[] for _ in seqs], [[] for _ in seqs]
+        for i, tree in trees.items():
+            token_ids[i], parents[i] = tree.select(num_tokens[i])
+        return Draft(token_ids=token_ids, parents=parents)
+
+    def _grow(self, seqs: list[Sequence], trees: dict[int, GrowingTree]) -> None:
+        """The root forward runs each last token; level 1 is the root's top tokens; each further level
+        expands the best `branching` nodes of the level above, each into its top `branching` children."""
+        tables = self._scratch_tables(seqs, trees)
+        owners = list(trees)
+        items = [ForwardItem(tables[i], seqs[i].num_computed_tokens, [seqs[i].last_token], [seqs[i].num_computed_tokens - 1])
+                 for i in owners]
+        hidden = self._forward(items, torch.stack([self.states[seqs[i].seq_id].tail for i in owners]))   # [m, H]
+        for i, row in zip(owners, hidden):
+            trees[i].root_output = row
+        parents = [-1] * len(owners)
+        level = 1
+        while True:
+            logp = torch.log_softmax(self.head.draft_logits(hidden).float(), dim=-1)                # [m, Vd]
+            width = max(trees[i].branching for i in owners)
+            top = logp.topk(width, dim=-1)
+            tokens = self.head.target_ids(top.indices).tolist()
+            values = top.values.tolist()
+            for r, (i, parent) in enumerate(zip(owners, parents)):
+                trees[i].add_children(parent, tokens[r], values[r], level)
+            expand = [(i, j) for i, tree in trees.items() if tree.depth > level for j in tree.to_expand(level)]
+            if not expand:
+                return
+            hidden = self._feed(seqs, trees, expand, tables, level)
+            owners, parents = [i for i, _ in expand], [j for _, j in expand]
+            level += 1
+
+    def _feed(self, seqs: list[Sequence], trees: dict[int, GrowingTree], expand: list[tuple[int, int]],
+              tables: dict[int, list[int]], level: int) -> torch.Tensor:
+        """One head forward over the nodes being expanded (grouped by sequence, in `expand` order);
+        returns their pre-norm outputs. A node reads its parent's output and its own token."""
+        groups: dict[int, list[int]] = {}
+        for i, j in expand:
+            groups.setdefault(i, []).append(j)
+        items, inputs, seen = [], [], []
+        for i, nodes in groups.items():
+            seq, tree = seqs[i], trees[i]
+            start = seq.num_computed_tokens + 1 + len(tree.fed)     # after the root's slot and earlier nodes
+            items.append(ForwardItem(tables[i], start, [tree.tokens[j] for j in nodes],
+                                     [seq.num_computed_tokens - 1 + level] * len(nodes),
+                                     torch.eye(len(nodes), dtype=torch.bool)))
+            inputs.extend(tree.outputs[tree.parents[j]] if tree.parents[j] >= 0 else tree.root_output for j in nodes)
+            seen.append(torch.tensor([[tree.is_ancestor(f, j) for f in tree.fed] for j in nodes], dtype=torch.bool))
+        out = self._forward(items, torch.stack(inputs), seen)                                    # [n, H]
+        for (i, j), row in zip(expand, out):
+            trees[i].outputs[j] = row
+            trees[i].fed.append(j)
+        return out
+
+    def _scratch_tables(self, seqs: list[Sequence], trees: dict[int, GrowingTree]) -> dict[int, list[int]]:
+        """Block tables reaching past each sequence's own blocks into private scratch blocks, so a
+        tree may feed more nodes than the slots the scheduler reserved (only the best k are verified)."""
+        bs = self.block_size
+        tables, next_block = {}, self.num_blocks
+        for i, tree in trees.items():
+            seq = seqs[i]
+            need = -(-(seq.num_computed_tokens + 1 + tree.branching * (tree.depth - 1)) // bs)
+            extra = max(0, need - len(seq.block_table))
+            tables[i] = seq.block_table + list(range(next_block, next_block + extra))
+            next_block += extra
+        cache = self.runner.kv_cache
+        if next_block * bs > cache.shape[2]:
+            grown = cache.new_zeros(*cache.shape[:2], next_block * bs - cache.shape[2], *cache.shape[3:])
+            self.runner.kv_cache = torch.cat([cache, grown], dim=2)
+        return tables
+
+    # ---- start-up check ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def check_acceptance(self, engine) -> float:
+        """First-step greedy agreement of head and target on CHECK_PROMPTS, logged; a warning when near
+        zero, naming the neighbouring layer choice when that one does much better (the classic trap)."""
+        target, L = engine.model, engine.model_config.num_hidden_layers
+        candidates = [self.layers] + [tuple(i + d for i in self.layers) for d in (-1, 1)]
+        candidates = [c for c in candidates if all(0 <= i <= L for i in c)]
+        total = {c: [0, 0] for c in candidates}
+        for text in CHECK_PROMPTS:
+            ids = torch.tensor([engine.tokenizer.encode(text)], device=self.device)             # [1, T]
+            T = ids.shape[1]
+            if T < 3:
+                continue
+            final, aux = target(ids, torch.arange(T, device=self.device), None, tuple(range(L + 1)))
+            want = target.compute_logits(final[0, 1:]).argmax(-1)                               # [T-1]
+            for c in candidates:
+                states = torch.cat([aux[i][0, :-1] for i in sorted(c)], dim=-1).to(self.dtype)   # [T-1, 3H]
+                out = self.head(ids[:, 1:], self.head.fc(states)[None], torch.arange(T - 1, device=self.device))
+                got = self.head.target_ids(self.head.draft_logits(out[0]).argmax(-1))
+                total[c][0] += int((got == want).sum())
+                total[c][1] += T - 1
+        rates = {c: hit / max(1, n) for c, (hit, n) in total.items()}
+        rate = rates[self.layers]
+        logger.info("EAGLE3 head: first-step greedy acceptance %.2f on the built-in prompts", rate)
+        if rate < NEAR_ZERO_ACCEPTANCE:
+            better = max(rates, key=rates.get)
+            hint = ""
+            if better != self.layers and rates[better] > 2 * rate + 0.05:
+                hint = (f"; reading layers {list(better)} instead gives {rates[better]:.2f}: the head was probably "
+                        f"trained with another layer convention (set eagle_aux_hidden_state_layer_ids in its config)")
+            logger.warning("EAGLE3 head: first-step acceptance is near zero (%.2f) with target layers %s: is it "
+                           "trained for this target?%s", rate, list(self.layers), hint)
+        return rate

@@ -1,0 +1,225 @@
+"""`specserve train eagle3`: an EAGLE3 head for any supported target, saved in the published layout.
+
+Stages: corpus (the target's held-out documents left out) -> draft vocabulary (the target's most
+frequent next tokens, d2t/t2d) -> head training. Each batch runs the frozen target to get the three
+layers' states and its own next tokens (argmax), then trains the head with training-time test: the
+head is unrolled `ttt_steps` times on its own outputs, step s at position i standing for the draft
+s tokens after the context ending at i, and learns the target's token at every step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+from tqdm import tqdm
+
+from specserve.models.config import ModelConfig
+from specserve.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, resolve_aux_layers, save_eagle3_head
+from specserve.models.registry import load_model, parse_dtype
+from specserve.train.corpus import Corpus, default_sources, read_source
+from specserve.train.demo import chat_texts
+from specserve.train.trainer import StageConfig, sample_batch, train_stage
+
+
+@dataclass(slots=True)
+class Eagle3TrainConfig:
+    target: Path
+    out: Path | None = None                 # default: <target>/eagle3
+    sources: list[Path] = field(default_factory=default_sources)
+    minutes: float = 12.0
+    max_steps: int | None = None
+    draft_vocab_size: int = 2048
+    intermediate_size: int | None = None    # default: the target's
+    ttt_steps: int = 6
+    step_weight: float = 0.8                # loss weight of unrolled step s: step_weight ** s
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-3
+    vocab_tokens: int = 100_000             # target predictions counted to pick the draft vocabulary
+    max_corpus_mb: float = 16.0
+    chat_fraction: float = 0.05
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+    resume: bool = False
+
+    @property
+    def out_dir(self) -> Path:
+        return self.out or self.target / "eagle3"
+
+
+def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
+    ckpt = cfg.out_dir / ".ckpt"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    target_config = ModelConfig.from_pretrained(cfg.target)
+    target = load_model(cfg.target, torch.float32, "cpu", target_config).requires_grad_(False)
+    layers = resolve_aux_layers(None, target_config.num_hidden_layers)
+    tokens = corpus_tokens(cfg, target_config)
+    draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.pt")
+    head = new_head(cfg, target, target_config, draft_ids)
+    stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
+    draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
+    draft_index[draft_ids] = torch.arange(len(draft_ids))
+    state = train_stage(stage, head, lambda batch: ttt_loss(head, target, layers, draft_index, batch, cfg),
+                        tokens, ckpt / "head.pt", cfg.resume)
+    t2d = draft_index >= 0
+    save_eagle3_head(head, cfg.out_dir, cfg.dtype, t2d)
+    summary = {"target": str(cfg.target), "target_layers_read": list(layers), "draft_vocab_size": len(draft_ids),
+               "train_tokens": len(tokens), "steps": state.step, "seconds": state.seconds, "ttt_steps": cfg.ttt_steps,
+               "first_loss": sum(state.losses[:10]) / max(1, len(state.losses[:10])),
+               "final_loss": sum(state.losses[-50:]) / max(1, len(state.losses[-50:])),
+               "tokens_per_step": cfg.batch_size * cfg.seq_len}
+    (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def corpus_tokens(cfg: Eagle3TrainConfig, target_config: ModelConfig) -> torch.Tensor:
+    """The corpus as token ids, documents separated by the target's BOS (else EOS) token. Documents the
+    target's trainer held out (its heldout.json) are left out, so they stay held out for the head."""
+    heldout_file = cfg.target / "heldout.json"
+    heldout = {d["name"] for d in json.loads(heldout_file.read_text())} if heldout_file.exists() else set()
+    docs = [d for source in cfg.sources for d in read_source(Path(source)) if d.name not in heldout]
+    if not docs:
+        raise ValueError(f"no training documents in {[str(s) for s in cfg.sources]}")
+    rng = random.Random(cfg.seed)
+    rng.shuffle(docs)
+    kept, size = [], 0
+    for doc in docs:
+        if size + len(doc.text) <= cfg.max_corpus_mb * 1e6 or not kept:
+            kept.append(doc)
+            size += len(doc.text)
+    multiline = [d for d in kept if d.text.count("\n") >= 6]     # chat examples are cut from lines
+    texts = [d.text for d in kept] + (chat_texts(Corpus(multiline, []), cfg.chat_fraction, cfg.seed) if multiline else [])
+    rng.shuffle(texts)
+    tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
+    eos = target_config.eos_token_id
+    separator = target_config.bos_token_id if target_config.bos_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(texts):
+        if separator is not None:
+            ids.append(separator)
+        ids.extend(encoding.ids)
+    if len(ids) < cfg.seq_len + 2:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one training window ({cfg.seq_len + 1})")
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+@torch.no_grad()
+def target_states(target: nn.Module, layers: tuple[int, ...], batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The concatenated states the head reads [B, T, 3H] and the target's next tokens (argmax) [B, T]."""
+    aux_layers = tuple(sorted(set(layers)))
+    final, aux = target(batch, torch.arange(batch.shape[1]), None, aux_layers)
+    states = torch.cat([aux[aux_layers.index(i)] for i in sorted(layers)], dim=-1)
+    return states, target.compute_logits(final).argmax(-1)
+
+
+def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[int, ...], tokens: torch.Tensor,
+                     cached: Path) -> torch.Tensor:
+    """The draft_vocab_size target tokens the target predicts most often on the corpus, ascending
+    (ties and any shortfall filled by corpus frequency, then by id)."""
+    size = min(cfg.draft_vocab_size, target.config.vocab_size)
+    if cfg.resume and cached.exists():
+        return torch.load(cached)
+    counts: Counter[int] = Counter()
+    num_batches = max(1, cfg.vocab_tokens // (cfg.batch_size * cfg.seq_len))
+    for step in tqdm(range(num_batches), desc="draft vocabulary", dynamic_ncols=True, mininterval=5.0):
+        batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 7, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, predicted = target_states(target, layers, batch)
+        counts.update(predicted.flatten().tolist())
+    corpus = torch.bincount(tokens.long(), minlength=target.config.vocab_size).tolist()
+    ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), -corpus[t], t))
+    draft_ids = torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
+    covered = sum(counts.get(t, 0) for t in draft_ids.tolist()) / max(1, sum(counts.values()))
+    print(f"draft vocabulary: {size} tokens cover {covered:.1%} of the target's predictions")
+    torch.save(draft_ids, cached)
+    return draft_ids
+
+
+def new_head(cfg: Eagle3TrainConfig, target: nn.Module, target_config: ModelConfig, draft_ids: torch.Tensor) -> Eagle3Head:
+    """A head sized like one target layer; its lm_head and final norm start from the target's own rows
+    for the draft vocabulary. The target's embedding is shared and frozen."""
+    t = target_config
+    layer = ModelConfig(architectures=[ARCHITECTURE], vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                        intermediate_size=cfg.intermediate_size or t.intermediate_size, num_hidden_layers=1,
+                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                        head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+                        rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
+                        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id)
+    config = Eagle3Config(layer, draft_vocab_size=len(draft_ids), target_hidden_size=t.hidden_size, aux_layer_ids=None)
+    torch.manual_seed(cfg.seed)
+    head = Eagle3Head(config, max_positions=cfg.seq_len + cfg.ttt_steps + 1)
+    for name, param in head.named_parameters():
+        if param.dim() >= 2:
+            nn.init.normal_(param, std=0.02)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.output_weight[draft_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    head.embed_tokens = target.model.embed_tokens           # frozen with the target
+    return head
+
+
+def ttt_loss(head: Eagle3Head, target: nn.Module, layers: tuple[int, ...], draft_index: torch.Tensor,
+             batch: torch.Tensor, cfg: Eagle3TrainConfig) -> torch.Tensor:
+    """Training-time test on a batch [B, T + 1] of tokens x. Step s at position i takes token x[i+s+1]
+    (with the target's state at i for s = 0, else the head's step s-1 output at i), sits at rotary
+    position i+s, and must predict the target's next token after x[i+s+1]; positions past the
+    window or whose label is outside the draft vocabulary are masked."""
+    states, predicted = target_states(target, layers, batch)                            # [B, T+1, 3H], [B, T+1]
+    B, T = batch.shape[0], batch.shape[1] - 1
+    hidden = head.fc(states[:, :T])                                                     # [B, T, H]
+    earlier, total, weights = [], 0.0, 0.0
+    for s in range(min(cfg.ttt_steps, T)):
+        pad = batch.new_zeros(B, s)
+        tokens = torch.cat([batch[:, s + 1:], pad], dim=1)                              # [B, T]
+        labels = draft_index[torch.cat([predicted[:, s + 1:], pad], dim=1)]             # [B, T], -1: masked
+        labels[:, T - s:] = -1
+        hidden, kv = head.forward_unrolled(tokens, hidden, torch.arange(T) + s, earlier)
+        earlier.append(kv)
+        logits = head.draft_logits(hidden).float()
+        total = total + cfg.step_weight ** s * F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1)
+        weights += cfg.step_weight ** s
+    return total / weights
+
+
+def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
+    d = Eagle3TrainConfig(target=Path("."))
+    p = subparsers.add_parser("eagle3", help="train an EAGLE3 head for a target (saved in the published layout)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", type=Path, required=True, help="the target model folder")
+    p.add_argument("--corpus", type=Path, nargs="+", default=None,
+                   help="text files or folders (default: this Python's standard library + tinyshakespeare)")
+    p.add_argument("--out", type=Path, default=None, help="head folder (default: TARGET/eagle3)")
+    p.add_argument("--minutes", type=float, default=d.minutes)
+    p.add_argument("--max-steps", type=int, default=None, help="fixed steps instead of the time budget")
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
+    p.add_argument("--intermediate-size", type=int, default=None, help="head MLP size (default: the target's)")
+    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="unrolled training-time-test steps")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--vocab-tokens", type=int, default=d.vocab_tokens)
+    p.add_argument("--max-corpus-mb", type=float, default=d.max_corpus_mb)
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/.ckpt")
+    p.set_defaults(func=run_eagle3_command)
+
+
+def run_eagle3_command(args: argparse.Namespace) -> None:
+    cfg = Eagle3TrainConfig(target=args.target, out=args.out, minutes=args.minutes, max_steps=args.max_steps,
+                            draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+                            ttt_steps=args.ttt_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            vocab_tokens=args.vocab_tokens, max_corpus_mb=args.max_corpus_mb,
+                            dtype=parse_dtype(args.dtype), seed=args.seed, resume=args.resume)
+    if args.corpus:
+        cfg.sources = args.corpus
+    print(json.dumps(run_eagle3_training(cfg), indent=2))
