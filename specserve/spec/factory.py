@@ -81,6 +81,10 @@ def build_proposer(config, engine):
         proposer = DraftModelProposer(path, engine)
         logger.info("drafting with the draft model in %s", path)
         return proposer, "draft", proposer.kv_bytes_per_token
+    if method == "eagle3":
+        from specserve.spec.eagle3 import Eagle3Proposer
+        proposer = Eagle3Proposer(path, engine)
+        return proposer, "eagle3", proposer.kv_bytes_per_token
     if method == "mtp":
         from specserve.spec.mtp import MTPProposer
         proposer = MTPProposer(path, engine)
