@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specserve.models.registry import parse_dtype
 from specserve.train.demo import DEFAULT_OUT, DemoConfig, run_demo
+from specserve.train.eagle3 import add_eagle3_parser
 from specserve.train.lm import ModelSize
 from specserve.train.mtp import add_mtp_parser
 
@@ -15,6 +16,7 @@ def add_train_parsers(subparsers: argparse._SubParsersAction) -> argparse.Argume
     train = subparsers.add_parser("train", help="train models with specserve's own code")
     train_commands = train.add_subparsers(dest="train_command", required=True)
     add_demo_parser(train_commands)
+    add_eagle3_parser(train_commands)
     add_mtp_parser(train_commands)
     return train
 
