@@ -173,6 +173,26 @@ def test_published_head_loads_and_drafts_exactly_as_written(target, published_he
     assert all(o.spec["num_drafts"] > 0 for o in outs)
 
 
+def test_published_head_with_its_own_embedding_as_pytorch_bin(target, published_head, tmp_path):
+    """The EAGLE reference ships pytorch_model.bin, some heads carry their own embed_tokens."""
+    path, w, config = published_head
+    own = tmp_path / "bin"
+    own.mkdir()
+    embed = torch.randn(config["vocab_size"], config["hidden_size"], generator=torch.Generator().manual_seed(1))
+    torch.save({**w, "embed_tokens.weight": embed}, own / "pytorch_model.bin")
+    (own / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(target), kv_cache_memory_gb=0.01, draft_model=str(own))
+    head, model = llm.engine.proposer.head, llm.engine.model
+    assert head.embed_tokens is not model.model.embed_tokens
+    prompt = llm.tokenizer.encode(PROMPTS[2])
+    T = len(prompt)
+    _, aux = model(torch.tensor([prompt]), torch.arange(T), None, (2, 4, 5))
+    states = torch.cat([a[0, :-1] for a in aux], -1)
+    out = head(torch.tensor([prompt[1:]]), head.fc(states)[None], torch.arange(T - 1))
+    expected = reference_head(w, config, embed, states, torch.tensor(prompt[1:]))
+    assert torch.equal(head.target_ids(head.draft_logits(out[0]).argmax(-1)), expected)
+
+
 def test_head_that_does_not_fit_the_target_is_a_startup_error(target, published_head, tmp_path):
     path, _, config = published_head
     for change, message in (({"target_hidden_size": 48}, "hidden states of size 48"),
@@ -219,14 +239,20 @@ def test_growing_tree_expands_the_best_nodes_and_keeps_a_connected_subtree():
     assert GrowingTree(1, 4).to_expand(1) == []
 
 
-def test_tree_nodes_see_only_their_ancestors(eagle):
+@pytest.mark.parametrize("root_at_catch_up", [True, False])
+def test_tree_nodes_see_only_their_ancestors(eagle, root_at_catch_up):
     """Every drafted node's head output equals a cache-free run of the head over the committed context
-    followed by the node's own root-to-node path (the tree mask and depth positions at work)."""
+    followed by the node's own root-to-node path (the tree mask and depth positions at work). The
+    root (the last token's slot) comes from the catch-up forward, or from its own forward when the
+    slot was not in the block table then."""
     engine = eagle.engine
     proposer = engine.proposer
     seq = engine.add_request(eagle.tokenizer.encode(PROMPTS[1]), greedy(12, num_assistant_tokens=0))
-    while seq.num_output_tokens < 5:
+    while seq.num_output_tokens < 5 or seq.num_computed_tokens % 16 == 0:     # the last token's slot exists
         engine.step()
+    assert proposer.states[seq.seq_id].root is not None
+    if not root_at_catch_up:
+        proposer.states[seq.seq_id].root = None
     trees = {0: GrowingTree(3, 3)}
     proposer._grow([seq], trees)
     tree = trees[0]

@@ -45,6 +45,7 @@ NEAR_ZERO_ACCEPTANCE = 0.1
 class HeadState:
     num_computed: int                      # head slots [1, num_computed) hold K/V (== seq.num_drafter_computed)
     tail: torch.Tensor | None              # [H] fc(target states) at num_computed - 1: what the next slot reads
+    root: torch.Tensor | None = None       # [H] the head's output at slot num_computed (the last token), once run
 
 
 @dataclass(slots=True)
@@ -166,21 +167,29 @@ class Eagle3Proposer(Proposer):
             return
         rows_t = torch.tensor(rows, device=hidden.final.device)
         states = self.head.fc(torch.cat([hidden.aux[j][rows_t] for j in self.aux_order], dim=-1).to(self.dtype))
-        items, inputs = [], []
+        items, inputs, owners = [], [], []
         for (seq, state, n), fed in zip(work, states.split([n for _, _, n in work])):
             start, end = state.num_computed, seq.num_computed_tokens
-            reads = fed[:-1] if state.tail is None else torch.cat([state.tail[None], fed[:-1]])
-            first = end - len(reads)                                # slot 1 when starting from nothing
+            # the last token's slot too (the next draft's root) when the sequence decodes and the slot exists
+            with_root = len(seq) == end + 1 and end < len(seq.block_table) * self.block_size
+            reads = torch.cat(([] if state.tail is None else [state.tail[None]]) + [fed if with_root else fed[:-1]])
+            last = end + 1 if with_root else end
+            first = last - len(reads)                               # slot 1 when starting from nothing
             if len(reads):
-                items.append(ForwardItem(seq.block_table, first, seq.token_ids[first:end], list(range(first - 1, end - 1))))
+                items.append(ForwardItem(seq.block_table, first, seq.token_ids[first:last], list(range(first - 1, last - 1))))
                 inputs.append(reads)
+                owners.append((seq, with_root))
             for p in range(start, end):                             # the tail of every block this forward fills
                 if p % self.block_size == self.block_size - 1:
                     self.block_tails[seq.block_table[p // self.block_size]] = fed[p - start]
             self.states[seq.seq_id] = HeadState(end, fed[-1])
             seq.num_drafter_computed = end
         if items:
-            self._forward(items, torch.cat(inputs))
+            out = self._forward(items, torch.cat(inputs))
+            ends = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1
+            for (seq, with_root), row in zip(owners, ends.tolist()):
+                if with_root:
+                    self.states[seq.seq_id].root = out[row]
 
     def on_finished(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
@@ -208,11 +217,17 @@ class Eagle3Proposer(Proposer):
         expands the best `branching` nodes of the level above, each into its top `branching` children."""
         tables = self._scratch_tables(seqs, trees)
         owners = list(trees)
-        items = [ForwardItem(tables[i], seqs[i].num_computed_tokens, [seqs[i].last_token], [seqs[i].num_computed_tokens - 1])
-                 for i in owners]
-        hidden = self._forward(items, torch.stack([self.states[seqs[i].seq_id].tail for i in owners]))   # [m, H]
-        for i, row in zip(owners, hidden):
-            trees[i].root_output = row
+        states = [self.states[seqs[i].seq_id] for i in owners]
+        missing = [(i, state) for i, state in zip(owners, states) if state.root is None]
+        if missing:   # the last token's slot was not in the block table at catch-up time
+            items = [ForwardItem(tables[i], seqs[i].num_computed_tokens, [seqs[i].last_token],
+                                 [seqs[i].num_computed_tokens - 1]) for i, _ in missing]
+            out = self._forward(items, torch.stack([state.tail for _, state in missing]))
+            for (_, state), row in zip(missing, out):
+                state.root = row
+        hidden = torch.stack([state.root for state in states])                                 # [m, H]
+        for i, state in zip(owners, states):
+            trees[i].root_output = state.root
         parents = [-1] * len(owners)
         level = 1
         while True:
