@@ -56,6 +56,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int_at_least(1), help="tokens per KV block" + default("block_size"))
     engine.add_argument("--no-prefix-caching", action="store_true", default=None, help="turn prefix caching off")
     engine.add_argument("--seed", type=int, help="seed for requests without one" + default("seed"))
+    engine.add_argument("--num-threads", type=int_at_least(1),
+                        help="CPU threads (default: 1 for models whose weights fit in cache, else all cores)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=SPEC_METHODS,
                       help="default: detected (a drafter in a subfolder of MODEL_DIR, else none)")

@@ -49,6 +49,7 @@ class EngineConfig:
     max_model_len: int | None = None          # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    num_threads: int | None = None            # CPU intra-op threads; None: 1 for models whose weights fit in cache
     # speculative decoding
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"
     draft_model: str | Path | None = None

@@ -53,6 +53,22 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     return parse_dtype(dtype)
 
 
+CACHE_RESIDENT_BYTES = 32 << 20
+
+
+def set_cpu_threads(num_threads: int | None, model: torch.nn.Module) -> None:
+    """A model whose weights fit in the last-level cache is bound by per-op overhead, which a second
+    thread does not shorten; it runs on one thread, which also keeps it fast when other processes
+    load the cores (a busy-waiting thread pool can then be 20x slower). Larger models use them all."""
+    if num_threads is None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if weight_bytes >= CACHE_RESIDENT_BYTES:
+            return
+        num_threads = 1
+    torch.set_num_threads(num_threads)
+    logger.info("CPU threads: %d", num_threads)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -61,6 +77,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.model = load_model(config.model, self.dtype, self.device, self.model_config)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.num_threads, self.model)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.spec_defaults = SpecDefaults.from_generation_config(config.model)

@@ -48,14 +48,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
-        lead = x.shape[:-1]                                           # [N] or [B, T]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        lead = x.shape[:-1]                                                          # [N] or [B, T]
+        qkv = self.qkv_proj(x).view(*lead, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=-2)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
+        qk = apply_rotary(qk, cos, sin)                       # q and k heads rotated together: fewer small ops
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         if ctx is None:
             out = causal_attention(q, k, v)
         else:
