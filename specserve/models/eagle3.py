@@ -128,7 +128,8 @@ class Eagle3Layer(nn.Module):
         x, residual = self._attention_input(embeds, hidden)
         return self._mlp(residual + self.self_attn(x, cos, sin, ctx))
 
-    def forward_unrolled(self, embeds, hidden, cos, sin, earlier):
+    def forward_unrolled(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         x, residual = self._attention_input(embeds, hidden)
         out, kv = self.self_attn.forward_unrolled(x, cos, sin, earlier)
         return self._mlp(residual + out), kv
@@ -157,7 +158,9 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rotary.lookup(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, ctx)
 
-    def forward_unrolled(self, input_ids, hidden, positions, earlier):
+    def forward_unrolled(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                         earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Training-time test step len(earlier), input_ids [B, T], hidden [B, T, H]: see Eagle3Attention."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary.lookup(positions, hidden.dtype)
         return self.midlayer.forward_unrolled(embeds, hidden, cos, sin, earlier)
