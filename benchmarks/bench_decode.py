@@ -36,7 +36,8 @@ def bench_transformers(model_dir: Path, ids: list[int], new_tokens: int, dtype: 
 def bench_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: str) -> float:
     from specserve.llm import LLM
     from specserve.sampling_params import SamplingParams
-    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25)
+    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25,
+              num_threads=torch.get_num_threads())
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))   # warm-up
     out = llm.generate([ids], params)[0]
@@ -49,7 +50,8 @@ def profile_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: s
     from torch.profiler import ProfilerActivity, profile
     from specserve.llm import LLM
     from specserve.sampling_params import SamplingParams
-    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25)
+    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25,
+              num_threads=torch.get_num_threads())
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([ids], params)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -71,8 +73,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also print where specserve's decode time goes")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for both engines")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(args.threads)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     rows = []
     for name in args.sizes.split(","):
@@ -87,7 +90,8 @@ def main() -> None:
             rows.append((name, n_params / 1e6, hf, ours))
             if args.profile:
                 profile_specserve(model_dir, ids, args.new_tokens, args.dtype)
-    print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.dtype}, best of {args.repeats}")
+    print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.dtype}, {args.threads} thread(s), "
+          f"best of {args.repeats}")
     print(f"| model | params (M) | transformers tok/s | specserve tok/s | ratio |")
     print(f"|---|---|---|---|---|")
     for name, n, hf, ours in rows:
