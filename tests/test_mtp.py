@@ -10,14 +10,15 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from specserve.llm import LLM
-from specserve.models.mtp import load_mtp, save_mtp_folder, shift_right
+from specserve.models.mtp import (MultiTokenPredictor, load_mtp, save_mtp_folder, save_mtp_into_checkpoint,
+                                  shift_right)
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import drafter_kind
 from specserve.train.cli import main as train_main
 from specserve.train.evaluate import logits_of
 
-from conftest import TEXT
+from conftest import TEXT, make_checkpoint
 from test_spec import PROMPTS, damped_pair, greedy, ids  # noqa: F401  (damped_pair is a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype")
@@ -25,26 +26,50 @@ NUM_LAYERS = 2
 
 
 @pytest.fixture(scope="module")
-def mtp_target(damped_pair, tmp_path_factory):
-    """The damped target with 2 MTP layers trained by `specserve train mtp` into its own checkpoint."""
+def trained(damped_pair, tmp_path_factory):
+    """The damped target with 2 MTP layers trained by `specserve train mtp` into its own checkpoint. A few
+    steps on a tiny corpus: they draft poorly, but every input (the hidden states above all) counts."""
     root = tmp_path_factory.mktemp("mtp")
     target = root / "target"
     shutil.copytree(damped_pair, target, ignore=shutil.ignore_patterns("draft"))
     (root / "text.txt").write_text(TEXT)
-    train_main(["train", "mtp", "--target", str(target), "--layers", str(NUM_LAYERS), "--max-steps", "60",
+    train_main(["train", "mtp", "--target", str(target), "--layers", str(NUM_LAYERS), "--max-steps", "30",
                 "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3", "--corpus", str(root / "text.txt"),
                 "--dtype", "float32", "--reuse-steps", "1"])
     return target
 
 
 @pytest.fixture(scope="module")
-def plain(mtp_target):
-    return LLM(str(mtp_target), kv_cache_memory_gb=0.01, speculative_method="none")
+def accurate(tmp_path_factory):
+    """A target that is nearly its first layer (layers 1-3 damped) with MTP layers that copy that layer and
+    feed it the token's embedding at its own scale: they agree with the target often but not always, so
+    drafting accepts and rejects (a random target's greedy text is beyond a few training steps)."""
+    target = make_checkpoint(tmp_path_factory.mktemp("accurate"), "qwen3", layers=4, seed=3, initializer_range=0.2)
+    weights = load_file(target / "model.safetensors")
+    for name in list(weights):
+        if name.startswith(("model.layers.1.", "model.layers.2.", "model.layers.3.")) and name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * 0.15
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(target)
+    H = model.config.hidden_size
+    embed_rms = model.model.embed_tokens.weight.pow(2).mean().sqrt()
+    mtp = MultiTokenPredictor(model.config, NUM_LAYERS)
+    for layer in mtp.layers:
+        layer.load_state_dict(model.model.layers[0].state_dict(), strict=False)
+        with torch.no_grad():
+            layer.eh_proj.weight.copy_(torch.cat([embed_rms * torch.eye(H), torch.zeros(H, H)], dim=1))
+    save_mtp_into_checkpoint(mtp, target, torch.float32)
+    return target
 
 
 @pytest.fixture(scope="module")
-def mtp_llm(mtp_target):
-    return LLM(str(mtp_target), kv_cache_memory_gb=0.01, block_size=4)
+def plain(accurate):
+    return LLM(str(accurate), kv_cache_memory_gb=0.01, speculative_method="none")
+
+
+@pytest.fixture(scope="module")
+def mtp_llm(accurate):
+    return LLM(str(accurate), kv_cache_memory_gb=0.01, block_size=4)
 
 
 def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
@@ -82,11 +107,11 @@ def reference_draft(mtp, target, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-def test_written_in_the_deepseek_layout(mtp_target):
-    config = json.loads((mtp_target / "config.json").read_text())
+def test_written_in_the_deepseek_layout(trained):
+    config = json.loads((trained / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == NUM_LAYERS and config["architectures"] == ["Qwen3ForCausalLM"]
     L, H = config["num_hidden_layers"], config["hidden_size"]
-    with safe_open(str(mtp_target / "model.safetensors"), "pt") as f:
+    with safe_open(str(trained / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         assert f.get_slice(f"model.layers.{L}.eh_proj.weight").get_shape() == [H, 2 * H]
     for i in range(L, L + NUM_LAYERS):
@@ -95,18 +120,18 @@ def test_written_in_the_deepseek_layout(mtp_target):
             assert f"model.layers.{i}.{part}" in names
         assert not any(n.startswith(f"model.layers.{i}.shared_head") for n in names)   # the target's are shared
     assert "model.layers.0.self_attn.q_proj.weight" in names                          # the target is intact
-    assert load_model(mtp_target).config.num_hidden_layers == L
+    assert load_model(trained).config.num_hidden_layers == L
 
 
-def test_training_lowers_the_loss(mtp_target):
-    summary = json.loads((mtp_target / ".ckpt" / "mtp_training_summary.json").read_text())
-    assert summary["steps"] == 60 and summary["last_loss"] < 0.7 * summary["first_loss"]
+def test_training_lowers_the_loss(trained):
+    summary = json.loads((trained / ".ckpt" / "mtp_training_summary.json").read_text())
+    assert summary["steps"] == 30 and summary["last_loss"] < 0.85 * summary["first_loss"]
 
 
-def test_deepseek_checkpoint_with_its_own_head_loads(mtp_target, tmp_path):
+def test_deepseek_checkpoint_with_its_own_head_loads(trained, tmp_path):
     """DeepSeek ships shared_head.norm / shared_head.head and an embed_tokens copy in each MTP layer."""
     target_dir = tmp_path / "t"
-    shutil.copytree(mtp_target, target_dir)
+    shutil.copytree(trained, target_dir)
     weights = load_file(target_dir / "model.safetensors")
     config = json.loads((target_dir / "config.json").read_text())
     L, V, H = config["num_hidden_layers"], config["vocab_size"], config["hidden_size"]
@@ -127,17 +152,16 @@ def test_deepseek_checkpoint_with_its_own_head_loads(mtp_target, tmp_path):
         load_mtp(target_dir, target.config)
 
 
-def test_detected_and_logged(mtp_llm, mtp_target, caplog):
+def test_detected_and_logged(mtp_llm, accurate, caplog):
     assert mtp_llm.engine.spec_method == "mtp"
     with caplog.at_level("INFO"):
-        LLM(str(mtp_target), kv_cache_memory_gb=0.01, speculative_method="mtp", num_assistant_tokens=4)
+        LLM(str(accurate), kv_cache_memory_gb=0.01, speculative_method="mtp", num_assistant_tokens=4)
     assert "drafting with the 2 MTP layer(s)" in caplog.text
     assert "draft steps 3..4 reuse the last layer" in caplog.text
 
 
 def test_greedy_equals_plain_past_the_number_of_layers(mtp_llm, plain):
     expected = ids(plain.generate(PROMPTS, greedy()))
-    seen = record_drafts(mtp_llm)
     accepted, drafted = 0, 0
     for k in range(1, 7):
         outs = mtp_llm.generate(PROMPTS, greedy(num_assistant_tokens=k))
@@ -146,9 +170,17 @@ def test_greedy_equals_plain_past_the_number_of_layers(mtp_llm, plain):
         accepted += sum(o.spec["num_accepted_tokens"] for o in outs)
         drafted += sum(o.spec["num_draft_tokens"] for o in outs)
     assert 0 < accepted < drafted
-    # the cached drafting (catch-up, tails, layer reuse past N) drafts what a cache-free recomputation does
-    mtp, target = mtp_llm.engine.proposer.mtp, mtp_llm.engine.model
-    for tokens, draft in seen[::5]:
+
+
+def test_drafts_equal_a_cache_free_recomputation(trained):
+    """The cached drafting (catch-up on the target's hidden states, tails, layer reuse past N) drafts what
+    the layers recomputed from scratch draft, in a batch and with a block size that splits the prompts."""
+    llm = LLM(str(trained), kv_cache_memory_gb=0.01, block_size=4)
+    seen = record_drafts(llm)
+    for k in (1, 2, 3, 6):
+        llm.generate(PROMPTS, greedy(20, num_assistant_tokens=k))
+    mtp, target = llm.engine.proposer.mtp, llm.engine.model
+    for tokens, draft in seen[::3]:
         assert draft == reference_draft(mtp, target, tokens, len(draft))
 
 
@@ -161,9 +193,11 @@ def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
-def test_prefix_cache_hit_equals_miss(mtp_target):
+@pytest.mark.parametrize("model", ["trained", "accurate"])
+def test_prefix_cache_hit_equals_miss(request, model):
     """Same outputs, acceptance and drafts whether the prompt's blocks come from the prefix cache or not,
     including a prompt that shares only a prefix (the MTP layers read one slot back across the block edge)."""
+    mtp_target = request.getfixturevalue(model)
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0][:40] + " the lazy dog", PROMPTS[0] + PROMPTS[2]]
     results = {}
     for caching in (False, True):
@@ -179,14 +213,16 @@ def test_prefix_cache_hit_equals_miss(mtp_target):
         assert (min(cached[1:]) > 0) == caching
         results[caching].append(seen)
     assert results[True] == results[False]
+    assert model == "trained" or sum(spec["num_accepted_tokens"] for _, spec in results[True][:-1]) > 0
 
 
 @pytest.mark.parametrize("settings", [dict(max_num_batched_tokens=7), dict(kv_cache_memory_gb=0.0002, block_size=4)])
-def test_chunked_prefill_and_preemption(mtp_target, plain, settings):
+def test_chunked_prefill_and_preemption(trained, settings):
     """Prompt chunks and preempted sequences (recomputed, partly from the prefix cache) keep the MTP
     caches exact: the output is plain decoding's and the drafts are the cache-free ones."""
     prompts = PROMPTS * 2
-    llm = LLM(str(mtp_target), **({"kv_cache_memory_gb": 0.01} | settings))
+    plain = LLM(str(trained), kv_cache_memory_gb=0.01, speculative_method="none")
+    llm = LLM(str(trained), **({"kv_cache_memory_gb": 0.01} | settings))
     preempt, preempted = llm.engine.scheduler.preempt, []
     llm.engine.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
     seen = record_drafts(llm)
@@ -205,8 +241,8 @@ def second_token_marginal(model, prompt: list[int]) -> np.ndarray:
     return (p1[:, None] * p2).sum(0).double().numpy()
 
 
-def test_sampled_output_has_the_target_distribution(mtp_target):
-    llm = LLM(str(mtp_target), kv_cache_memory_gb=0.05, max_num_seqs=256)
+def test_sampled_output_has_the_target_distribution(accurate):
+    llm = LLM(str(accurate), kv_cache_memory_gb=0.05, max_num_seqs=256)
     prompt = llm.tokenizer.encode("The quick brown")
     n = 2000
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i,
@@ -220,15 +256,15 @@ def test_sampled_output_has_the_target_distribution(mtp_target):
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
-def test_layers_in_a_separate_folder(mtp_target, tmp_path):
+def test_layers_in_a_separate_folder(accurate, tmp_path):
     """The shipped demo layout: the target's checkpoint untouched, the layers in a subfolder."""
     target_dir = tmp_path / "t"
-    shutil.copytree(mtp_target, target_dir)
+    shutil.copytree(accurate, target_dir)
     config = json.loads((target_dir / "config.json").read_text())
     config.pop("num_nextn_predict_layers")
     (target_dir / "config.json").write_text(json.dumps(config))
     target = load_model(target_dir)
-    save_mtp_folder(load_mtp(mtp_target, target.config), target_dir, target_dir / "mtp", torch.float32)
+    save_mtp_folder(load_mtp(accurate, target.config), target_dir, target_dir / "mtp", torch.float32)
     assert drafter_kind(target_dir / "mtp") == "mtp"
     for method in (None, "mtp"):
         llm = LLM(str(target_dir), kv_cache_memory_gb=0.01, speculative_method=method)
