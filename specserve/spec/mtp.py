@@ -121,7 +121,7 @@ class MTPProposer(Proposer):
     def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
         B, K, N = len(seqs), max(num_tokens), self.mtp.num_layers
         vocab = self.target.output_weight.shape[0]
-        probs = torch.zeros(B, K, vocab) if any(not seq.params.greedy for seq in seqs) else None
+        probs = torch.zeros(B, K, vocab, device=self.device) if any(not seq.params.greedy for seq in seqs) else None
         drafts: list[list[int]] = [[] for _ in seqs]
         states = [self._state(seq) for seq in seqs]
         assert all(st.num_computed == len(seq) - 1 for st, seq in zip(states, seqs)), "drafting sequences are caught up"
@@ -159,12 +159,14 @@ class MTPProposer(Proposer):
         greedy = all(s.params.greedy for s in seqs)
         if greedy and not need_q:
             return logits.argmax(dim=-1).tolist(), None
-        q = compute_probs(logits, torch.tensor([s.params.temperature for s in seqs]),
-                          torch.tensor([s.params.top_k for s in seqs]), torch.tensor([s.params.top_p for s in seqs]))
+        dev = logits.device
+        q = compute_probs(logits, torch.tensor([s.params.temperature for s in seqs], device=dev),
+                          torch.tensor([s.params.top_k for s in seqs], device=dev),
+                          torch.tensor([s.params.top_p for s in seqs], device=dev))
         if greedy:
             return q.argmax(dim=-1).tolist(), q
         u = position_uniforms([s.seed for s in seqs], [[len(s) + step] for s in seqs], stream=2)[:, 0]
-        return sample_from_probs(q, u).tolist(), q
+        return sample_from_probs(q, u.to(dev)).tolist(), q
 
     def on_finished(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
