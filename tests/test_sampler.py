@@ -1,18 +1,9 @@
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specserve.layers.sampler import compute_probs, draw_uniforms, sample_from_probs
 
-
-def assert_samples_from(samples: torch.Tensor, probs: torch.Tensor, min_pvalue: float = 1e-3) -> None:
-    """Chi-square goodness of fit of integer samples against probs [V]; zero-probability tokens never occur."""
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    support = probs > 0
-    assert counts[~support].sum() == 0, "sampled a zero-probability token"
-    expected = probs[support].double()
-    expected = expected / expected.sum() * counts.sum()
-    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > min_pvalue
+from stats import assert_samples_from
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -1,15 +1,14 @@
 """Speculative decoding end to end: exactness for every drafting method."""
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from scipy.stats import chisquare
 
 from specserve.engine.model_runner import ForwardItem, ModelRunner
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
 from conftest import make_checkpoint
+from stats import assert_samples_from, second_token_marginal
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)",
            "To be, or not to be, that is the question",
@@ -131,29 +130,10 @@ def test_sampled_speculative_output_has_the_target_distribution(damped_pair, tmp
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i,
                                                       num_assistant_tokens=3) for i in range(n)])
     assert sum(o.spec["num_drafts"] for o in outs) > 0
-    second = np.array([o.outputs[0].token_ids[1] for o in outs])
-    # the exact marginal: sum over t1 of p(t1 | prompt) p(t2 | prompt, t1)
-    model = llm.engine.model
-    c = model.config
-    V = c.vocab_size
-    runner = ModelRunner(model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, V + 4, len(prompt) + 2, torch.float32)
-    with torch.no_grad():
-        h, _ = runner.forward([ForwardItem([0], 0, prompt)])
-        p1 = torch.softmax(model.compute_logits(h[-1:]).float(), -1)[0]
-        items = [ForwardItem([t + 1], 0, prompt + [t]) for t in range(V)]
-        h, _ = runner.forward(items)
-        last = torch.arange(1, V + 1) * (len(prompt) + 1) - 1
-        p2 = torch.softmax(model.compute_logits(h[last]).float(), -1)
-    marginal = (p1[:, None] * p2).sum(0).numpy()
-    counts = np.bincount(second, minlength=V)
-    marginal = marginal.astype(np.float64)
-    expected = marginal / marginal.sum() * n
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
     accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
     assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in outs)
-    assert chisquare(obs, exp).pvalue > 1e-3
+    second = [o.outputs[0].token_ids[1] for o in outs]
+    assert_samples_from(second, second_token_marginal(llm.engine.model, prompt), lump_below=5)
 
 
 def test_seeded_speculative_sampling_is_reproducible(spec_llm, plain):
