@@ -7,6 +7,8 @@ output at s - 1 (see models/mtp.py), so after every target forward the layers ca
 tokens with the target's hidden states, and each sequence keeps only `tails`: the hidden states at the
 last committed slot that the layers read next. The tails at the last slot of every full block are kept
 too (`block_tails`), which is what lets a prefix-cache hit resume the layers exactly where a miss would.
+Where its block exists, the catch-up also runs the last token's slot, so the first draft step needs no
+forward of its own (`root`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 class MTPState:
     num_computed: int          # slots every MTP layer's cache holds (== seq.num_drafter_computed)
     tails: torch.Tensor        # [N, H] at slot num_computed - 1: the target's hidden state, then layers 0..N-2's outputs
+    root: torch.Tensor | None = None   # [N, H] each layer's output at slot num_computed (the last token), when
+                                       # the catch-up could run that slot too: drafting starts from it
 
 
 class MTPProposer(Proposer):
@@ -92,24 +96,35 @@ class MTPProposer(Proposer):
                 work.append((seq, state, rows))
         if not work:
             return
-        items = [ForwardItem(seq.block_table, state.num_computed, seq.token_ids[state.num_computed:seq.num_computed_tokens])
-                 for seq, state, _ in work]
+        # the last token's slot too, when the sequence decodes and its block exists: the first draft step is
+        # then done here, in the same forward (the slot is recomputed with the committed ones next time)
+        roots = [len(seq) == seq.num_computed_tokens + 1 and len(seq) <= len(seq.block_table) * self.block_size
+                 for seq, _, _ in work]
+        items = [ForwardItem(seq.block_table, state.num_computed,
+                             seq.token_ids[state.num_computed:seq.num_computed_tokens + root])
+                 for (seq, state, _), root in zip(work, roots)]
         input_ids, positions, ctx = self.runner.prepare(items)
         embeds = self._embed(input_ids, positions)
         # sources[i]: what the current layer reads for sequence i, at slots num_computed - 1 .. end - 1
         sources = [torch.cat([state.tails[:1], hidden.final[rows]]) for _, state, rows in work]
         new_tails: list[list[torch.Tensor]] = [[] for _ in work]
+        root_outputs: list[list[torch.Tensor]] = [[] for _ in work]
         for layer in range(self.mtp.num_layers):
             for i, (seq, state, _) in enumerate(work):
                 new_tails[i].append(sources[i][-1])
                 self._keep_block_tails(seq, state.num_computed, layer, sources[i])
-            out = self.mtp(layer, embeds, torch.cat([s[:-1] for s in sources]), positions, ctx)
+            reads = [src if root else src[:-1] for src, root in zip(sources, roots)]
+            out = self.mtp(layer, embeds, torch.cat(reads), positions, ctx).split([len(r) for r in reads])
+            for i, root in enumerate(roots):
+                if root:
+                    root_outputs[i].append(out[i][-1])
             if layer + 1 < self.mtp.num_layers:
-                sizes = [len(s) - 1 for s in sources]
-                sources = [torch.cat([state.tails[layer + 1:layer + 2], o]) for (_, state, _), o in zip(work, out.split(sizes))]
-        for (seq, state, _), tails in zip(work, new_tails):
+                sources = [torch.cat([state.tails[layer + 1:layer + 2], o[:len(src) - 1]])
+                           for (_, state, _), o, src in zip(work, out, sources)]
+        for (seq, state, _), tails, root in zip(work, new_tails, root_outputs):
             state.num_computed = seq.num_drafter_computed = seq.num_computed_tokens
             state.tails = torch.stack(tails)
+            state.root = torch.stack(root) if root else None
 
     def _keep_block_tails(self, seq: Sequence, start: int, layer: int, source: torch.Tensor) -> None:
         """source holds slots start - 1 .. start + n - 1; store those that end a block."""
@@ -125,26 +140,35 @@ class MTPProposer(Proposer):
         drafts: list[list[int]] = [[] for _ in seqs]
         states = [self._state(seq) for seq in seqs]
         assert all(st.num_computed == len(seq) - 1 for st, seq in zip(states, seqs)), "drafting sequences are caught up"
-        outputs: list[torch.Tensor] = [states[i].tails[:0] for i in range(B)]   # previous step's rows, by sequence
+        outputs = [states[i].tails[:0] for i in range(B)]    # each sequence's rows of the previous step
+        last: list[torch.Tensor] = [states[i].tails[0] for i in range(B)]   # its last output
         active = list(range(B))
         for step in range(K):
             layer = min(step, N - 1)
-            if step < N:   # layer `step` covers slots c .. c + step: the last token, then the drafts so far
-                items = [ForwardItem(seqs[i].block_table, states[i].num_computed, [seqs[i].last_token] + drafts[i])
-                         for i in active]
-                reads = [torch.cat([states[i].tails[step:step + 1], outputs[i]]) for i in active]
-            else:          # the last layer again, one slot further, on its own previous output
-                items = [ForwardItem(seqs[i].block_table, states[i].num_computed + step, drafts[i][-1:]) for i in active]
-                reads = [outputs[i][-1:] for i in active]
-            input_ids, positions, ctx = self.runner.prepare(items)
-            out = self.mtp(layer, self._embed(input_ids, positions), torch.cat(reads), positions, ctx)
-            rows = out.split([len(it.token_ids) for it in items])
-            last = torch.stack([r[-1] for r in rows])
-            tokens, q = self._choose(self.mtp.compute_logits(layer, last, self.target).float(),
-                                     [seqs[i] for i in active], step, probs is not None)
+            runs: list[tuple[int, ForwardItem, torch.Tensor]] = []
+            for i in active:
+                seq, state = seqs[i], states[i]
+                c = state.num_computed
+                if step < N:   # layer `step` covers slots c .. c + step (the last token, then the drafts so far),
+                    # but for slot c when the catch-up ran it; it reads the layer before at the slot before
+                    first = c + (state.root is not None)
+                    before = state.tails[step:step + 1] if state.root is None else state.root[step - 1:step]
+                    if first <= c + step:
+                        item = ForwardItem(seq.block_table, first, ([seq.last_token] + drafts[i])[first - c:])
+                        runs.append((i, item, torch.cat([before, outputs[i]])))
+                    else:      # step 0, done by the catch-up
+                        outputs[i], last[i] = state.root[:0], state.root[0]
+                else:          # the last layer again, one slot further, on its own previous output
+                    runs.append((i, ForwardItem(seq.block_table, c + step, drafts[i][-1:]), last[i][None]))
+            if runs:
+                input_ids, positions, ctx = self.runner.prepare([item for _, item, _ in runs])
+                out = self.mtp(layer, self._embed(input_ids, positions), torch.cat([r for _, _, r in runs]), positions, ctx)
+                for (i, item, _), rows in zip(runs, out.split([len(item.token_ids) for _, item, _ in runs])):
+                    outputs[i], last[i] = rows, rows[-1]
+            logits = self.mtp.compute_logits(layer, torch.stack([last[i] for i in active]), self.target).float()
+            tokens, q = self._choose(logits, [seqs[i] for i in active], step, probs is not None)
             for n, i in enumerate(active):
                 drafts[i].append(tokens[n])
-                outputs[i] = rows[n]
             if probs is not None:
                 probs[torch.tensor(active), step] = q
             active = [i for i in active if len(drafts[i]) < num_tokens[i]]
