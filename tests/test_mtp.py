@@ -2,12 +2,10 @@
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from scipy.stats import chisquare
 
 from specserve.llm import LLM
 from specserve.models.mtp import (MultiTokenPredictor, load_mtp, save_mtp_folder, save_mtp_into_checkpoint,
@@ -16,9 +14,9 @@ from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import drafter_kind
 from specserve.train.cli import main as train_main
-from specserve.train.evaluate import logits_of
 
 from conftest import TEXT, make_checkpoint
+from stats import assert_samples_from, second_token_marginal
 from test_spec import PROMPTS, damped_pair, greedy, ids  # noqa: F401  (damped_pair is a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype")
@@ -233,14 +231,6 @@ def test_chunked_prefill_and_preemption(trained, settings):
         assert draft == reference_draft(mtp, target, tokens, len(draft))
 
 
-def second_token_marginal(model, prompt: list[int]) -> np.ndarray:
-    """sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), computed without the engine."""
-    p1 = torch.softmax(logits_of(model, torch.tensor([prompt]))[0, -1], -1)
-    V = p1.shape[0]
-    p2 = torch.softmax(logits_of(model, torch.tensor([prompt + [t] for t in range(V)]))[:, -1], -1)
-    return (p1[:, None] * p2).sum(0).double().numpy()
-
-
 def test_sampled_output_has_the_target_distribution(accurate):
     llm = LLM(str(accurate), kv_cache_memory_gb=0.05, max_num_seqs=256)
     prompt = llm.tokenizer.encode("The quick brown")
@@ -249,11 +239,8 @@ def test_sampled_output_has_the_target_distribution(accurate):
                                                       num_assistant_tokens=3) for i in range(n)])
     accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
     assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in outs)
-    counts = np.bincount([o.outputs[0].token_ids[1] for o in outs], minlength=llm.engine.model_config.vocab_size)
-    expected = second_token_marginal(llm.engine.model, prompt) * n
-    big = expected >= 5
-    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    assert_samples_from([o.outputs[0].token_ids[1] for o in outs], second_token_marginal(llm.engine.model, prompt),
+                        lump_below=5)
 
 
 def test_layers_in_a_separate_folder(accurate, tmp_path):
