@@ -86,7 +86,10 @@ def main() -> None:
         for batch in batches:
             base = None
             for method in methods:
-                llm = LLM(str(model), dtype=args.dtype, speculative_method=method, max_num_seqs=max(batches))
+                # every setting sees the same prompts: no prefix-cache hits from the previous setting, and no
+                # cross-request n-gram cache (it would hold the previous setting's identical outputs)
+                llm = LLM(str(model), dtype=args.dtype, speculative_method=method, max_num_seqs=max(batches),
+                          enable_prefix_caching=False, ngram_cache=False)
                 llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))      # warm-up
                 settings = [dict(num_assistant_tokens=0)] if method == "none" else [dict(num_assistant_tokens=k) for k in ks]
                 if method == "eagle3":
