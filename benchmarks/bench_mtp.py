@@ -57,7 +57,8 @@ def main() -> None:
         base = None
         for method in args.methods.split(","):
             try:
-                llm = LLM(str(model), dtype=args.dtype, speculative_method=method, max_num_seqs=max(args.batch, 1))
+                llm = LLM(str(model), dtype=args.dtype, speculative_method=method, max_num_seqs=max(args.batch, 1),
+                          enable_prefix_caching=False, ngram_cache=False)   # settings must not help each other
             except ValueError as e:      # a drafter this model folder does not have
                 print(f"skipping {method}: {e}")
                 continue
