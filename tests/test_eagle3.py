@@ -77,6 +77,14 @@ def test_layer_resolution():
         resolve_aux_layers([2, 4, 12], 8)
 
 
+def test_train_layers_option_takes_capture_before_ids():
+    import argparse
+    from specserve.train.eagle3 import parse_layers
+    assert parse_layers("2,5,8") == (2, 5, 8)
+    with pytest.raises(argparse.ArgumentTypeError, match="first >= 2"):
+        parse_layers("1,4,7")                                        # would read as layer outputs
+
+
 def test_trained_head_is_saved_in_the_published_layout(target):
     head = target / "eagle3"
     config = json.loads((head / "config.json").read_text())

@@ -2,9 +2,10 @@
 
 Stages: corpus (the target's held-out documents left out) -> draft vocabulary (the target's most
 frequent next tokens, d2t/t2d) -> head training. Each batch runs the frozen target to get the three
-layers' states and its own next tokens (argmax), then trains the head with training-time test: the
-head is unrolled `ttt_steps` times on its own outputs, step s at position i standing for the draft
-s tokens after the context ending at i, and learns the target's token at every step.
+layers' states and its own next-token distributions, then trains the head with training-time test:
+the head is unrolled `ttt_steps` times on its own outputs, step s at position i standing for the
+draft s tokens after the context ending at i, and learns the target's distribution over the draft
+vocabulary at every step (where the target's own next token is in it, as EAGLE3 does).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from torch import nn
 from tqdm import tqdm
 
 from specserve.models.config import ModelConfig
-from specserve.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, resolve_aux_layers, save_eagle3_head
+from specserve.models.eagle3 import (ARCHITECTURE, Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers,
+                                     save_eagle3_head)
 from specserve.models.registry import load_model, parse_dtype
 from specserve.train.corpus import Corpus, default_sources, read_source
 from specserve.train.demo import chat_texts
@@ -38,6 +40,8 @@ class Eagle3TrainConfig:
     max_steps: int | None = None
     draft_vocab_size: int = 2048
     intermediate_size: int | None = None    # default: the target's
+    layers: tuple[int, ...] | None = None   # target layers whose input states the head reads; None: (2, L//2, L-3)
+    init: Path | None = None                # a saved head to continue training (its layers and vocabulary)
     ttt_steps: int = 6
     step_weight: float = 0.8                # loss weight of unrolled step s: step_weight ** s
     batch_size: int = 8
@@ -60,10 +64,17 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     ckpt.mkdir(parents=True, exist_ok=True)
     target_config = ModelConfig.from_pretrained(cfg.target)
     target = load_model(cfg.target, torch.float32, "cpu", target_config).requires_grad_(False)
-    layers = resolve_aux_layers(None, target_config.num_hidden_layers)
     tokens = corpus_tokens(cfg, target_config)
-    draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.pt")
-    head = new_head(cfg, target, target_config, draft_ids)
+    if cfg.init is None:
+        layers = resolve_aux_layers(None if cfg.layers is None else list(cfg.layers), target_config.num_hidden_layers)
+        draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.pt")
+        head = new_head(cfg, target, target_config, draft_ids)
+    else:   # continue training a saved head: its layers and draft vocabulary
+        head = load_eagle3_head(cfg.init, target.model.embed_tokens, target_config, torch.float32, "cpu",
+                                cfg.seq_len + cfg.ttt_steps + 1).requires_grad_(True)
+        head.embed_tokens.requires_grad_(False)
+        layers = resolve_aux_layers(head.config.aux_layer_ids, target_config.num_hidden_layers)
+        draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size))
     stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
     draft_index[draft_ids] = torch.arange(len(draft_ids))
@@ -75,7 +86,9 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
                "train_tokens": len(tokens), "steps": state.step, "seconds": state.seconds, "ttt_steps": cfg.ttt_steps,
                "first_loss": sum(state.losses[:10]) / max(1, len(state.losses[:10])),
                "final_loss": sum(state.losses[-50:]) / max(1, len(state.losses[-50:])),
-               "tokens_per_step": cfg.batch_size * cfg.seq_len}
+               "tokens_per_step": cfg.batch_size * cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed}
+    if cfg.init is not None and (cfg.init / "training_summary.json").exists():
+        summary["continued_from"] = json.loads((cfg.init / "training_summary.json").read_text())
     (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -113,11 +126,11 @@ def corpus_tokens(cfg: Eagle3TrainConfig, target_config: ModelConfig) -> torch.T
 
 @torch.no_grad()
 def target_states(target: nn.Module, layers: tuple[int, ...], batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The concatenated states the head reads [B, T, 3H] and the target's next tokens (argmax) [B, T]."""
+    """The concatenated states the head reads [B, T, 3H] and the target's next-token logits [B, T, V]."""
     aux_layers = tuple(sorted(set(layers)))
     final, aux = target(batch, torch.arange(batch.shape[1]), None, aux_layers)
     states = torch.cat([aux[aux_layers.index(i)] for i in sorted(layers)], dim=-1)
-    return states, target.compute_logits(final).argmax(-1)
+    return states, target.compute_logits(final).float()
 
 
 def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[int, ...], tokens: torch.Tensor,
@@ -132,8 +145,8 @@ def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[in
     for step in tqdm(range(num_batches), desc="draft vocabulary", dynamic_ncols=True, mininterval=5.0):
         batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 7, step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, predicted = target_states(target, layers, batch)
-        counts.update(predicted.flatten().tolist())
+            _, logits = target_states(target, layers, batch)
+        counts.update(logits.argmax(-1).flatten().tolist())
     corpus = torch.bincount(tokens.long(), minlength=target.config.vocab_size).tolist()
     ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), -corpus[t], t))
     draft_ids = torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
@@ -153,7 +166,8 @@ def new_head(cfg: Eagle3TrainConfig, target: nn.Module, target_config: ModelConf
                         head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
                         rope_scaling=t.rope_scaling, max_position_embeddings=t.max_position_embeddings,
                         bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id)
-    config = Eagle3Config(layer, draft_vocab_size=len(draft_ids), target_hidden_size=t.hidden_size, aux_layer_ids=None)
+    config = Eagle3Config(layer, draft_vocab_size=len(draft_ids), target_hidden_size=t.hidden_size,
+                          aux_layer_ids=None if cfg.layers is None else list(cfg.layers))
     torch.manual_seed(cfg.seed)
     head = Eagle3Head(config, max_positions=cfg.seq_len + cfg.ttt_steps + 1)
     for name, param in head.named_parameters():
@@ -170,22 +184,25 @@ def new_head(cfg: Eagle3TrainConfig, target: nn.Module, target_config: ModelConf
 def ttt_loss(head: Eagle3Head, target: nn.Module, layers: tuple[int, ...], draft_index: torch.Tensor,
              batch: torch.Tensor, cfg: Eagle3TrainConfig) -> torch.Tensor:
     """Training-time test on a batch [B, T + 1] of tokens x. Step s at position i takes token x[i+s+1]
-    (with the target's state at i for s = 0, else the head's step s-1 output at i), sits at rotary
-    position i+s, and must predict the target's next token after x[i+s+1]; positions past the
-    window or whose label is outside the draft vocabulary are masked."""
-    states, predicted = target_states(target, layers, batch)                            # [B, T+1, 3H], [B, T+1]
+    (with the target's states at i for s = 0, else the head's step s-1 output at i), sits at rotary
+    position i+s, and learns the target's distribution after x[i+s+1], restricted to the draft
+    vocabulary; positions past the window or whose target argmax is outside that vocabulary are masked."""
+    states, logits = target_states(target, layers, batch)                               # [B, T+1, 3H], [B, T+1, V]
     B, T = batch.shape[0], batch.shape[1] - 1
+    draft_ids = (draft_index >= 0).nonzero().squeeze(1)
+    p = torch.softmax(logits[..., draft_ids], dim=-1)                                   # [B, T+1, Vd]
+    valid = draft_index[logits.argmax(-1)] >= 0                                         # [B, T+1]
     hidden = head.fc(states[:, :T])                                                     # [B, T, H]
     earlier, total, weights = [], 0.0, 0.0
     for s in range(min(cfg.ttt_steps, T)):
-        pad = batch.new_zeros(B, s)
-        tokens = torch.cat([batch[:, s + 1:], pad], dim=1)                              # [B, T]
-        labels = draft_index[torch.cat([predicted[:, s + 1:], pad], dim=1)]             # [B, T], -1: masked
-        labels[:, T - s:] = -1
+        tokens = torch.cat([batch[:, s + 1:], batch.new_zeros(B, s)], dim=1)            # [B, T]
+        p_s = torch.cat([p[:, s + 1:], p.new_zeros(B, s, p.shape[-1])], dim=1)          # [B, T, Vd]
+        valid_s = torch.cat([valid[:, s + 1:], valid.new_zeros(B, s)], dim=1)           # [B, T]
         hidden, kv = head.forward_unrolled(tokens, hidden, torch.arange(T) + s, earlier)
         earlier.append(kv)
-        logits = head.draft_logits(hidden).float()
-        total = total + cfg.step_weight ** s * F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1)
+        log_q = torch.log_softmax(head.draft_logits(hidden).float(), dim=-1)
+        loss = -(p_s * log_q).sum(-1)[valid_s].mean() if valid_s.any() else log_q.sum() * 0
+        total = total + cfg.step_weight ** s * loss
         weights += cfg.step_weight ** s
     return total / weights
 
@@ -203,6 +220,10 @@ def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP size (default: the target's)")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="unrolled training-time-test steps")
+    p.add_argument("--layers", type=parse_layers, default=None,
+                   help="three target layers whose INPUT states the head reads, e.g. 2,5,8 (8: the last layer's "
+                        "output), the first >= 2; written to the config as capture-before ids (default: 2,L/2,L-3)")
+    p.add_argument("--init", type=Path, default=None, help="continue training the head saved in this folder")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)
@@ -214,10 +235,19 @@ def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_eagle3_command)
 
 
+def parse_layers(text: str) -> tuple[int, ...]:
+    layers = tuple(int(x) for x in text.split(","))
+    if len(layers) != 3 or layers[0] < 2:
+        # a first id of 1 would read as SpecForge's layer-output convention (see resolve_aux_layers)
+        raise argparse.ArgumentTypeError(f"--layers takes three layer indices, the first >= 2; got {text!r}")
+    return layers
+
+
 def run_eagle3_command(args: argparse.Namespace) -> None:
     cfg = Eagle3TrainConfig(target=args.target, out=args.out, minutes=args.minutes, max_steps=args.max_steps,
                             draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
-                            ttt_steps=args.ttt_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            ttt_steps=args.ttt_steps, layers=args.layers, init=args.init, batch_size=args.batch_size,
+                            seq_len=args.seq_len, lr=args.lr,
                             vocab_tokens=args.vocab_tokens, max_corpus_mb=args.max_corpus_mb,
                             dtype=parse_dtype(args.dtype), seed=args.seed, resume=args.resume)
     if args.corpus:
