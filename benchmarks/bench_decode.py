@@ -92,8 +92,8 @@ def main() -> None:
                 profile_specserve(model_dir, ids, args.new_tokens, args.dtype)
     print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.dtype}, {args.threads} thread(s), "
           f"best of {args.repeats}")
-    print(f"| model | params (M) | transformers tok/s | specserve tok/s | ratio |")
-    print(f"|---|---|---|---|---|")
+    print("| model | params (M) | transformers tok/s | specserve tok/s | ratio |")
+    print("|---|---|---|---|---|")
     for name, n, hf, ours in rows:
         print(f"| {name} | {n:.1f} | {hf:.0f} | {ours:.0f} | {ours / hf:.2f}x |")
 

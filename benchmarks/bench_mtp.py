@@ -9,32 +9,13 @@ speedup over plain decoding measured in the same run, and the acceptance rate at
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
-from bench_spec import heldout_prompts
+from bench_spec import heldout_prompts, measure
 
 from specserve.config import default_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-
-
-def measure(llm: LLM, prompts: list[str], batch: int, params: SamplingParams) -> dict:
-    tokens, drafts, accepted, elapsed, per_position = 0, 0, 0, 0.0, []
-    for i in range(0, len(prompts), batch):
-        start = time.perf_counter()
-        outs = llm.generate(prompts[i:i + batch], params)
-        elapsed += time.perf_counter() - start
-        for o in outs:
-            tokens += len(o.outputs[0].token_ids)
-            drafts += o.spec["num_drafts"]
-            accepted += o.spec["num_accepted_tokens"]
-            counts = o.spec["accepted_per_position"]
-            per_position += [0] * (len(counts) - len(per_position))
-            for j, n in enumerate(counts):
-                per_position[j] += n
-    return {"tokens_per_s": tokens / elapsed, "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-            "per_position": [n / drafts for n in per_position] if drafts else [], "tokens": tokens}
 
 
 def main() -> None:

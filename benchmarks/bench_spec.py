@@ -49,9 +49,10 @@ def heldout_prompts(model_dir: Path, kind: str, count: int, chars: int = 400) ->
     return prompts[:count] or (CODE if kind == "code" else PROSE)[:count]
 
 
-def run(llm: LLM, prompts: list[str], batch: int, params: SamplingParams) -> tuple[float, float, int]:
-    """(output tokens/s, mean acceptance length, output tokens) over all prompts, `batch` at a time."""
-    tokens, drafts, accepted, elapsed = 0, 0, 0, 0.0
+def measure(llm: LLM, prompts: list[str], batch: int, params: SamplingParams) -> dict:
+    """Output tokens/s, mean acceptance length (1 + accepted / drafts), per-position acceptance rate and
+    output tokens over all prompts, `batch` at a time."""
+    tokens, drafts, accepted, elapsed, per_position = 0, 0, 0, 0.0, []
     for i in range(0, len(prompts), batch):
         start = time.perf_counter()
         outs = llm.generate(prompts[i:i + batch], params)
@@ -60,7 +61,12 @@ def run(llm: LLM, prompts: list[str], batch: int, params: SamplingParams) -> tup
             tokens += len(o.outputs[0].token_ids)
             drafts += o.spec["num_drafts"]
             accepted += o.spec["num_accepted_tokens"]
-    return tokens / elapsed, 1 + accepted / drafts if drafts else 1.0, tokens
+            counts = o.spec["accepted_per_position"]
+            per_position += [0] * (len(counts) - len(per_position))
+            for j, n in enumerate(counts):
+                per_position[j] += n
+    return {"tokens_per_s": tokens / elapsed, "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "per_position": [n / drafts for n in per_position] if drafts else [], "tokens": tokens}
 
 
 def main() -> None:
@@ -96,7 +102,8 @@ def main() -> None:
                     settings += [dict(branching_factor=b, tree_depth=d, num_assistant_tokens=k) for b, d, k in trees]
                 for extra in settings:
                     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, **extra)
-                    tps, mal, n = run(llm, prompts, batch, params)
+                    m = measure(llm, prompts, batch, params)
+                    tps, mal, n = m["tokens_per_s"], m["acceptance_length"], m["tokens"]
                     if method == "none":
                         base = tps
                     label = method if method == "none" else f"{method} " + " ".join(f"{k[:1] if k != 'num_assistant_tokens' else 'k'}={v}" for k, v in extra.items())
