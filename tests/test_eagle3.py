@@ -105,6 +105,16 @@ def test_trained_head_is_saved_in_the_published_layout(target):
     assert summary["final_loss"] < summary["first_loss"]
 
 
+def test_train_continues_a_saved_head(target, tmp_path):
+    out = tmp_path / "continued"
+    assert cli_main(["train", "eagle3", "--target", str(target), "--init", str(target / "eagle3"), "--out", str(out),
+                     "--corpus", str(target.parent / "corpus.txt"), "--max-steps", "2", "--batch-size", "2",
+                     "--seq-len", "32", "--ttt-steps", "2", "--dtype", "float32"]) == 0
+    before, after = load_file(target / "eagle3" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert torch.equal(before["d2t"], after["d2t"]) and not torch.equal(before["fc.weight"], after["fc.weight"])
+    assert json.loads((out / "training_summary.json").read_text())["continued_from"]["steps"] == 25
+
+
 def reference_head(w: dict, config: dict, embed: torch.Tensor, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The published EAGLE3 head written from its description, cache-free, for one sequence:
     states [T, 3H] of target positions 0..T-1, tokens [T] = the tokens at positions 1..T.
