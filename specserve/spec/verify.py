@@ -65,24 +65,6 @@ def verify_rejection(
     return _assemble(draft_tokens, num_accepted, final)
 
 
-def verify_deterministic(
-    p: torch.Tensor,             # [B, K+1, V] target probs
-    draft_tokens: torch.Tensor,  # [B, K] int64, drafted without sampling (n-gram, argmax heads)
-    num_draft: torch.Tensor,     # [B] int64
-    u: torch.Tensor,             # [B, K+1] the uniform of each position
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact verification of deterministic drafts by sampling: draw y_j ~ p_j with the uniform of
-    position j, accept while y_j == x_j, and commit y at the first mismatch (or the bonus y).
-
-    Each committed token is a sample of p given its prefix, drawn with the uniform plain decoding
-    would use at that position: the output equals plain sampling's, token for token, whatever the
-    draft. Acceptance probability is p_j(x_j), the same as the rejection rule with one-hot q.
-    """
-    B, K1, V = p.shape
-    y = sample_from_probs(p.reshape(B * K1, V), u.reshape(B * K1)).view(B, K1)       # [B, K+1]
-    return verify_greedy(y, draft_tokens, num_draft)
-
-
 def _assemble(
     draft_tokens: torch.Tensor,  # [B, K]
     num_accepted: torch.Tensor,  # [B]
