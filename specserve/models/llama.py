@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import ForwardContext, causal_attention, paged_attention
+from specserve.layers.linear import PackedLinear, can_pack, pack_linears
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.config import ModelConfig
 
@@ -132,7 +133,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def pack(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """For inference: packed linears (layers/linear.py); a tied head gets its own packed copy."""
+        if self.lm_head is None and can_pack(device, dtype):
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+        return pack_linears(self, device, dtype)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -85,8 +85,9 @@ class MultiTokenPredictor(nn.Module):
     def compute_logits(self, layer: int, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
         head = self.layers[layer].shared_head
         norm = head.norm if head is not None and head.norm is not None else target.model.norm
-        weight = head.head.weight if head is not None and head.head is not None else target.output_weight
-        return F.linear(norm(hidden), weight)
+        if head is not None and head.head is not None:
+            return head.head(norm(hidden))
+        return target.compute_logits(norm(hidden))
 
 
 def shift_right(hidden: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ class DraftModelProposer(Proposer):
             logger.warning("the draft model handles %d positions: max_model_len lowered from %d",
                            self.config.max_position_embeddings, engine.max_model_len)
             engine.max_model_len = self.config.max_position_embeddings
-        self.model = load_model(path, engine.dtype, engine.device, self.config)
+        self.model = load_model(path, engine.dtype, engine.device, self.config).pack(engine.device, engine.dtype)
         self.target_vocab = engine.model_config.vocab_size
         c = self.config
         self.kv_bytes_per_token = kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, engine.dtype)

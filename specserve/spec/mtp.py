@@ -22,6 +22,7 @@ import torch
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
+from specserve.layers.linear import pack_linears
 from specserve.models.mtp import load_mtp
 from specserve.spec.proposer import Draft, Proposer, TargetHidden
 
@@ -41,7 +42,8 @@ class MTPProposer(Proposer):
 
     def __init__(self, path: str | Path | None, engine):
         self.target = engine.model
-        self.mtp = load_mtp(path or engine.config.model, engine.model.config, engine.dtype, engine.device)
+        self.mtp = pack_linears(load_mtp(path or engine.config.model, engine.model.config, engine.dtype, engine.device),
+                                engine.device, engine.dtype)
         c, N = self.mtp.config, self.mtp.num_layers
         self.block_size = engine.config.block_size
         self.dtype, self.device = engine.dtype, engine.device
@@ -135,7 +137,7 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
         B, K, N = len(seqs), max(num_tokens), self.mtp.num_layers
-        vocab = self.target.output_weight.shape[0]
+        vocab = self.target.config.vocab_size
         probs = torch.zeros(B, K, vocab, device=self.device) if any(not seq.params.greedy for seq in seqs) else None
         drafts: list[list[int]] = [[] for _ in seqs]
         states = [self._state(seq) for seq in seqs]

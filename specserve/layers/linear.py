@@ -1,0 +1,49 @@
+"""CPU inference linears: weights pre-packed once into oneDNN's blocked layout.
+
+`F.linear` on CPU re-reads a plain row-major weight through a generic path that streams at about 17 GB/s
+here whatever the thread count, and in fp32 its cost grows with every row it multiplies. A weight packed
+for the kernel streams at 40-70 GB/s (fp32/bf16, 2 threads) and a verify step of k + 1 rows costs little
+more than one row (benchmarks/NOTES.md, "Packed linears"). The product is the same one (bf16: bit for bit;
+fp32: the same sums in another order). Packing is a module swap done by the engine after loading;
+training never sees a packed module.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Swaps every nn.Linear under `module` for a PackedLinear where packing applies; returns `module`."""
+    if not can_pack(device, dtype):
+        return module
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and child.weight.dtype == dtype:
+            setattr(module, name, PackedLinear(child.weight, child.bias))
+        else:
+            pack_linears(child, device, dtype)
+    return module
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module) -> torch.Tensor:
+    """x @ weight.T for a plain weight or a (packed) linear module."""
+    return weight(x) if isinstance(weight, nn.Module) else F.linear(x, weight)
