@@ -47,7 +47,7 @@ def verify_step(scheduled: list[ScheduledSeq], draft: dict[int, DraftOf], hidden
         seqs = [scheduled[i].seq for i in sample_idx]
         drafts = [draft.get(i) for i in sample_idx]
         if all(seq.params.greedy for seq in seqs):
-            y = logits.view(B, K + 1, -1).argmax(dim=-1).cpu()                                   # [B, K+1]
+            y = logits.float().view(B, K + 1, -1).argmax(dim=-1).cpu()   # [B, K+1]; fp32: bf16 argmax is slow
             p = None
         else:
             p = compute_probs(logits, *sampling_tensors(seqs, K + 1, logits.device)).view(B, K + 1, -1).cpu()
@@ -60,7 +60,10 @@ def verify_step(scheduled: list[ScheduledSeq], draft: dict[int, DraftOf], hidden
             y = sample_from_probs(p.view(B * (K + 1), -1), u.view(-1)).view(B, K + 1)
         chain = [b for b, d in enumerate(drafts) if d is None or d.tree is None]
         sampled_q = [b for b in chain if drafts[b] is not None and drafts[b].probs is not None and p is not None]
-        if chain:
+        if K == 0:      # no drafts this step: each row's draw is its token
+            for b, token in enumerate(y[:, 0].tolist()):
+                tokens[sample_idx[b]] = [token]
+        elif chain:
             draft_tokens = torch.tensor([(drafts[b].token_ids if drafts[b] else []) + [0] * (K - len(rows[b]) + 1)
                                          for b in chain], dtype=torch.int64).view(len(chain), K)
             num_draft = torch.tensor([len(rows[b]) - 1 for b in chain])

@@ -31,14 +31,16 @@ class RotaryEmbedding(torch.nn.Module):
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)   # [P, D/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # full-width tables so that one rotation is 4 ops: x * cos + roll(x) * sin (see apply_rotary)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)   # [P, D]
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the given positions, shaped to broadcast over heads: [..., 1, D/2]."""
+        """cos/sin for the given positions, shaped to broadcast over heads: [..., 1, D]."""
         return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)                                           # [..., heads, D/2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x * cos + rotate_half(x) * sin, Hugging Face's arithmetic: rotate_half(x) = [-x2, x1] is the roll
+    [x2, x1] times the sign folded into the sin table."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import ForwardContext, causal_attention, paged_attention
-from specserve.layers.linear import PackedLinear, can_pack, pack_linears
+from specserve.layers.linear import PackedLinear, can_pack, pack_linears, worth_packing
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.config import ModelConfig
 
@@ -52,9 +52,10 @@ class Attention(nn.Module):
         lead = x.shape[:-1]                                                          # [N] or [B, T]
         qkv = self.qkv_proj(x).view(*lead, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=-2)
-        if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
+        if self.qk_norm:    # one norm over all q and k heads, then each head scaled by its own weight
+            weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                                self.k_norm.weight.expand(self.num_kv_heads, -1)))       # [Hq + Hkv, D]
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * weight
         qk = apply_rotary(qk, cos, sin)                       # q and k heads rotated together: fewer small ops
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         if ctx is None:
@@ -139,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
         """For inference: packed linears (layers/linear.py); a tied head gets its own packed copy."""
-        if self.lm_head is None and can_pack(device, dtype):
+        if self.lm_head is None and can_pack(device, dtype) and worth_packing(self.model.embed_tokens.weight):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         return pack_linears(self, device, dtype)
 
