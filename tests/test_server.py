@@ -203,8 +203,11 @@ def test_sixteen_concurrent_streams_get_their_own_output(server, offline):
     wait_idle(server)
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch):
     wait_idle(server)
+    # each step slowed to a few ms, so that the requests are still running when their clients leave
+    engine, step = server.engine.engine, server.engine.engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.003), step())[1])
     before = metrics(server)
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True, "stream": True,
             "num_assistant_tokens": 0}
