@@ -1,7 +1,9 @@
 """Plain decode tokens/s: specserve vs transformers' generate, same random Qwen3 checkpoint, batch 1,
 greedy, 128 new tokens, side by side in one run. Prints a table with the ratio.
 
-    python benchmarks/bench_decode.py [--sizes small,large] [--dtype float32] [--repeats 3]
+    python benchmarks/bench_decode.py [--sizes small,large] [--dtypes float32,bfloat16] [--repeats 3]
+
+Both engines run on the same threads (--threads, default: all cores) and in the same dtype.
 """
 from __future__ import annotations
 
@@ -69,14 +71,14 @@ def profile_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: s
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,large")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also print where specserve's decode time goes")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for both engines")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtypes = args.dtypes.split(",")
     rows = []
     for name in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as d:
@@ -85,17 +87,18 @@ def main() -> None:
                 str(model_dir / "model.safetensors")).values())
             from specserve.tokenizer import Tokenizer
             ids = Tokenizer.from_pretrained(model_dir).encode(PROMPT)
-            hf = max(bench_transformers(model_dir, ids, args.new_tokens, tdtype) for _ in range(args.repeats))
-            ours = max(bench_specserve(model_dir, ids, args.new_tokens, args.dtype) for _ in range(args.repeats))
-            rows.append((name, n_params / 1e6, hf, ours))
-            if args.profile:
-                profile_specserve(model_dir, ids, args.new_tokens, args.dtype)
-    print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.dtype}, {args.threads} thread(s), "
-          f"best of {args.repeats}")
-    print("| model | params (M) | transformers tok/s | specserve tok/s | ratio |")
-    print("|---|---|---|---|---|")
-    for name, n, hf, ours in rows:
-        print(f"| {name} | {n:.1f} | {hf:.0f} | {ours:.0f} | {ours / hf:.2f}x |")
+            for dtype in dtypes:
+                tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+                hf = max(bench_transformers(model_dir, ids, args.new_tokens, tdtype) for _ in range(args.repeats))
+                ours = max(bench_specserve(model_dir, ids, args.new_tokens, dtype) for _ in range(args.repeats))
+                rows.append((name, n_params / 1e6, dtype, hf, ours))
+                if args.profile:
+                    profile_specserve(model_dir, ids, args.new_tokens, dtype)
+    print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.threads} thread(s), best of {args.repeats}")
+    print("| model | params (M) | dtype | transformers tok/s | specserve tok/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, n, dtype, hf, ours in rows:
+        print(f"| {name} | {n:.1f} | {dtype} | {hf:.0f} | {ours:.0f} | {ours / hf:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ PACKED = {
 }
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's order: normalize in fp32, round to x's dtype, then scale. (F.rms_norm with the weight
+    scales before rounding: in bf16 about one output in four differs from transformers.)"""
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -32,7 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -77,7 +83,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor, sin: torc
     qkv = w.qkv(x).view(*lead, w.num_heads + 2 * w.num_kv_heads, w.head_dim)
     qk, v = qkv.split([w.num_heads + w.num_kv_heads, w.num_kv_heads], dim=-2)
     if w.qk_norm is not None:       # one norm over all q and k heads, then each head scaled by its own weight
-        qk = F.rms_norm(qk, (w.head_dim,), None, w.eps) * w.qk_norm
+        qk = rms_norm(qk, w.qk_norm, w.eps)
     qk = apply_rotary(qk, cos, sin)                           # q and k heads rotated together: fewer small ops
     q, k = qk.split([w.num_heads, w.num_kv_heads], dim=-2)
     out = causal_attention(q, k, v) if ctx is None else paged_attention(q, k, v, ctx, w.layer_idx)
@@ -91,8 +97,8 @@ def mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
 
 def decoder_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
                   ctx: ForwardContext | None) -> torch.Tensor:
-    x = x + attention(F.rms_norm(x, (x.shape[-1],), w.input_norm, w.eps), w.attn, cos, sin, ctx)
-    return x + mlp(F.rms_norm(x, (x.shape[-1],), w.post_norm, w.eps), w.gate_up, w.down)
+    x = x + attention(rms_norm(x, w.input_norm, w.eps), w.attn, cos, sin, ctx)
+    return x + mlp(rms_norm(x, w.post_norm, w.eps), w.gate_up, w.down)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,94 @@
+"""Inference-prepared models (packed linears, frozen layer weights) against F.linear and transformers."""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.layers import linear
+from specserve.layers.linear import PackedLinear, pack_linears
+from specserve.llm import LLM
+from specserve.models.llama import rms_norm
+from specserve.models.registry import load_model
+from specserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not linear.can_pack(CPU, torch.float32), reason="no oneDNN in this torch build")
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def model_dir(request, qwen3_dir, llama_dir):
+    return qwen3_dir if request.param == "qwen3" else llama_dir
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_packed_linear_is_the_same_product(rows):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 40), torch.randn(96)
+    x = torch.randn(rows, 40)
+    with torch.inference_mode():
+        assert torch.allclose(PackedLinear(w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        w16, x16 = w.bfloat16(), x.bfloat16()
+        assert torch.equal(PackedLinear(w16, None)(x16), F.linear(x16, w16))      # bf16: bit for bit
+
+
+def test_pack_linears_swaps_by_size_and_dtype(monkeypatch):
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 4 * 64 * 64)
+    def tree(dtype):
+        return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 128))).to(dtype)
+    fp32 = pack_linears(tree(torch.float32), CPU, torch.float32)
+    assert [type(m) for m in (fp32[0], fp32[1][0], fp32[1][1])] == [PackedLinear, nn.Linear, PackedLinear]
+    bf16 = pack_linears(tree(torch.bfloat16), CPU, torch.bfloat16)
+    assert all(isinstance(m, PackedLinear) for m in (bf16[0], bf16[1][0], bf16[1][1]))
+    meta = pack_linears(tree(torch.float32), torch.device("meta"), torch.float32)
+    assert isinstance(meta[0], nn.Linear)                                          # only CPU packs
+
+
+def test_rms_norm_rounds_like_transformers():
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 96).bfloat16(), (torch.randn(96) * 0.5 + 1).bfloat16()
+    ref = transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm(96, eps=1e-6)
+    ref.weight.data = w
+    assert torch.equal(rms_norm(x, w, 1e-6), ref(x))
+
+
+def run_logits(model, dtype, ids):
+    c = model.config
+    runner = ModelRunner(model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, 4, dtype)
+    table = list(range(8))
+    rows = [runner.forward([ForwardItem(table, 0, ids[:20])])[0]]
+    rows += [runner.forward([ForwardItem(table, i, [ids[i]])])[0] for i in range(20, len(ids))]
+    return model.compute_logits(torch.cat(rows)).float()
+
+
+def test_packed_fp32_model_matches_transformers(model_dir, monkeypatch):
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)                 # pack every linear of the tiny model
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = load_model(model_dir).pack(CPU, torch.float32)
+    assert isinstance(model.lm_head, PackedLinear) and model.frozen is not None
+    ids = torch.randint(0, 400, (30,)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (run_logits(model, torch.float32, ids) - expected).abs().max() <= 1e-4
+
+
+def test_bf16_model_equals_transformers_bf16(model_dir):
+    """Packed bf16 products are oneDNN's own and the norms round in transformers' order: logits bit for bit."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16)
+    ids = torch.randint(0, 400, (30,)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    assert torch.equal(run_logits(model, torch.bfloat16, ids), expected)
+
+
+def test_packed_engine_greedy_equals_unpacked(qwen3_dir, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "To be, or not to be"]
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 1 << 40)                # nothing packed
+    plain = [o.outputs[0].token_ids for o in LLM(str(qwen3_dir), kv_cache_memory_gb=0.01).generate(prompts, params)]
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
+    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="ngram")
+    assert isinstance(llm.engine.model.lm_head, PackedLinear)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
