@@ -9,6 +9,7 @@ from specserve.engine.model_runner import ForwardItem, ModelRunner
 from specserve.layers import linear
 from specserve.layers.linear import PackedLinear, pack_linears
 from specserve.llm import LLM
+from specserve.models import llama
 from specserve.models.llama import rms_norm
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
@@ -33,16 +34,23 @@ def test_packed_linear_is_the_same_product(rows):
         assert torch.equal(PackedLinear(w16, None)(x16), F.linear(x16, w16))      # bf16: bit for bit
 
 
-def test_pack_linears_swaps_by_size_and_dtype(monkeypatch):
+def test_pack_linears_keeps_plain_copies_of_small_fp32_weights(monkeypatch):
     monkeypatch.setattr(linear, "PACK_MIN_BYTES", 4 * 64 * 64)
     def tree(dtype):
         return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 128))).to(dtype)
     fp32 = pack_linears(tree(torch.float32), CPU, torch.float32)
-    assert [type(m) for m in (fp32[0], fp32[1][0], fp32[1][1])] == [PackedLinear, nn.Linear, PackedLinear]
+    mods = (fp32[0], fp32[1][0], fp32[1][1])
+    assert all(isinstance(m, PackedLinear) for m in mods)
+    assert [m.weight is not None for m in mods] == [False, True, False]
     bf16 = pack_linears(tree(torch.bfloat16), CPU, torch.bfloat16)
-    assert all(isinstance(m, PackedLinear) for m in (bf16[0], bf16[1][0], bf16[1][1]))
+    assert all(isinstance(m, PackedLinear) and m.weight is None for m in (bf16[0], bf16[1][0], bf16[1][1]))
     meta = pack_linears(tree(torch.float32), torch.device("meta"), torch.float32)
     assert isinstance(meta[0], nn.Linear)                                          # only CPU packs
+    small = fp32[1][0]
+    with torch.inference_mode():           # both paths of a small weight: plain under PLAIN_MAX_ROWS rows
+        for rows in (1, linear.PLAIN_MAX_ROWS + 1):
+            x = torch.randn(rows, 8)
+            assert torch.allclose(small(x), F.linear(x, small.weight, small.bias), rtol=1e-5, atol=1e-6)
 
 
 def test_rms_norm_rounds_like_transformers():
@@ -83,12 +91,18 @@ def test_bf16_model_equals_transformers_bf16(model_dir):
     assert torch.equal(run_logits(model, torch.bfloat16, ids), expected)
 
 
-def test_packed_engine_greedy_equals_unpacked(qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("min_bytes", [0, 1 << 40])      # everything packed only / small copies kept too
+def test_packed_engine_greedy_equals_unpacked(qwen3_dir, monkeypatch, min_bytes):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def fibonacci(n):", "To be, or not to be"]
-    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 1 << 40)                # nothing packed
-    plain = [o.outputs[0].token_ids for o in LLM(str(qwen3_dir), kv_cache_memory_gb=0.01).generate(prompts, params)]
-    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)
-    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="ngram")
-    assert isinstance(llm.engine.model.lm_head, PackedLinear)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    with monkeypatch.context() as m:
+        m.setattr(linear, "can_pack", lambda device, dtype: False)
+        m.setattr(llama, "can_pack", lambda device, dtype: False)
+        unpacked = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01)
+        assert not isinstance(unpacked.engine.model.lm_head, PackedLinear)
+        plain = [o.outputs[0].token_ids for o in unpacked.generate(prompts, params)]
+    monkeypatch.setattr(linear, "PACK_MIN_BYTES", min_bytes)
+    for method in ("none", "ngram"):                      # n-gram: verify steps of several rows
+        llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method=method)
+        assert isinstance(llm.engine.model.lm_head, PackedLinear)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import ForwardContext, causal_attention, paged_attention
-from specserve.layers.linear import PackedLinear, can_pack, pack_linears, worth_packing
+from specserve.layers.linear import PackedLinear, can_pack, pack_linears
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.config import ModelConfig
 
@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
     def pack(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
         """For inference only: packed linears (layers/linear.py; a tied head gets its own packed copy) and
         frozen layer weights. The model is not trainable afterwards."""
-        if self.lm_head is None and can_pack(device, dtype) and worth_packing(self.model.embed_tokens.weight):
+        if self.lm_head is None and can_pack(device, dtype):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
         pack_linears(self, device, dtype)
         self.frozen = [layer.weights(frozen=True) for layer in self.model.layers]
