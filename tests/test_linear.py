@@ -74,7 +74,7 @@ def test_packed_fp32_model_matches_transformers(model_dir, monkeypatch):
     monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)                 # pack every linear of the tiny model
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model = load_model(model_dir).pack(CPU, torch.float32)
-    assert isinstance(model.lm_head, PackedLinear) and model.frozen is not None
+    assert isinstance(model.lm_head, PackedLinear) and all(layer.frozen is not None for layer in model.model.layers)
     ids = torch.randint(0, 400, (30,)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]

@@ -118,6 +118,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.frozen: AttentionWeights | None = None             # set by pack_for_inference
 
     def weights(self, frozen: bool = False) -> AttentionWeights:
         qk_norm = None
@@ -129,7 +130,7 @@ class Attention(nn.Module):
                                 self.num_kv_heads, self.head_dim, self.eps, self.layer_idx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
-        return attention(x, self.weights(), cos, sin, ctx)
+        return attention(x, self.frozen if self.frozen is not None else self.weights(), cos, sin, ctx)
 
 
 class MLP(nn.Module):
@@ -150,6 +151,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.frozen: LayerWeights | None = None                 # set by pack_for_inference
 
     def weights(self, frozen: bool = False) -> LayerWeights:
         link = frozen_linear if frozen else (lambda m: m)
@@ -158,7 +160,7 @@ class DecoderLayer(nn.Module):
                             link(self.mlp.down_proj), self.input_layernorm.eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
-        return decoder_layer(x, self.weights(), cos, sin, ctx)
+        return decoder_layer(x, self.frozen if self.frozen is not None else self.weights(), cos, sin, ctx)
 
 
 class DecoderModel(nn.Module):
@@ -177,7 +179,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        self.frozen: list[LayerWeights] | None = None      # set by pack(): inference only
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -197,12 +198,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         aux = []
-        layers = self.frozen if self.frozen is not None else [layer.weights() for layer in self.model.layers]
-        for i, w in enumerate(layers):
+        for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux.append(x)
-            x = decoder_layer(x, w, cos, sin, ctx)
-        if len(layers) in aux_layers:
+            x = decoder_layer(x, layer.frozen if layer.frozen is not None else layer.weights(), cos, sin, ctx)
+        if len(self.model.layers) in aux_layers:
             aux.append(x)
         return self.model.norm(x), aux
 
@@ -212,13 +212,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack(self, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-        """For inference only: packed linears (layers/linear.py; a tied head gets its own packed copy) and
-        frozen layer weights. The model is not trainable afterwards."""
+        """pack_for_inference; a tied head gets its own packed copy of the embedding."""
         if self.lm_head is None and can_pack(device, dtype):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
-        pack_linears(self, device, dtype)
-        self.frozen = [layer.weights(frozen=True) for layer in self.model.layers]
-        return self
+        return pack_for_inference(self, device, dtype)
+
+
+def pack_for_inference(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """For inference only (not trainable afterwards): packed linears (layers/linear.py) and each layer's
+    weights frozen into its bundle, so that a forward makes no nn.Module calls inside the layers."""
+    pack_linears(module, device, dtype)
+    for m in module.modules():
+        if isinstance(m, (Attention, DecoderLayer)):
+            m.frozen = m.weights(frozen=True)
+    return module
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -23,8 +23,8 @@ import torch
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.sequence import Sequence
-from specserve.layers.linear import pack_linears
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
+from specserve.models.llama import pack_for_inference
 from specserve.spec.proposer import Draft, Proposer, TargetHidden
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Eagle3Proposer(Proposer):
         max_positions = max(self.config.layer.max_position_embeddings, engine.max_model_len) + MAX_NUM_ASSISTANT_TOKENS
         self.head: Eagle3Head = load_eagle3_head(path, engine.model.model.embed_tokens, target, engine.dtype,
                                                  engine.device, max_positions)
-        pack_linears(self.head, engine.device, engine.dtype)
+        pack_for_inference(self.head, engine.device, engine.dtype)
         c = self.config.layer
         self.block_size = engine.config.block_size
         tail_bytes = c.hidden_size * torch.empty((), dtype=engine.dtype).element_size()

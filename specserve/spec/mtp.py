@@ -22,7 +22,7 @@ import torch
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
-from specserve.layers.linear import pack_linears
+from specserve.models.llama import pack_for_inference
 from specserve.models.mtp import load_mtp
 from specserve.spec.proposer import Draft, Proposer, TargetHidden
 
@@ -42,8 +42,8 @@ class MTPProposer(Proposer):
 
     def __init__(self, path: str | Path | None, engine):
         self.target = engine.model
-        self.mtp = pack_linears(load_mtp(path or engine.config.model, engine.model.config, engine.dtype, engine.device),
-                                engine.device, engine.dtype)
+        mtp = load_mtp(path or engine.config.model, engine.model.config, engine.dtype, engine.device)
+        self.mtp = pack_for_inference(mtp, engine.device, engine.dtype)
         c, N = self.mtp.config, self.mtp.num_layers
         self.block_size = engine.config.block_size
         self.dtype, self.device = engine.dtype, engine.device

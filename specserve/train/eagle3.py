@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 from tqdm import tqdm
