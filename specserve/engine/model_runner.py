@@ -30,7 +30,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_cache = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+        self.kv_cache = torch.zeros(num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim,
                                     dtype=dtype, device=self.device)
         self._arange = np.arange(1 << 16)
 
@@ -47,7 +47,7 @@ class ModelRunner:
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
         """Copy the K/V of cache indices src to dst (all layers), e.g. an accepted tree path."""
         s, d = self.slots_at(block_table, src), self.slots_at(block_table, dst)
-        self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
+        self.kv_cache[:, d] = self.kv_cache[:, s]
 
     def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         ids, positions, slot_mapping = [], [], []

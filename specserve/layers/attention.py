@@ -20,18 +20,17 @@ class ForwardContext:
     attn_mask: torch.Tensor | None          # [B, 1, Q, T] bool; None: every query sees all T slots
     query_index: torch.Tensor | None        # [B, Q] flat row of each padded query; None when B == 1
     output_index: torch.Tensor | None       # [N] row of each flat token in the padded [B * Q] output
-    kv_cache: torch.Tensor                  # [L, 2, S, kv_heads, head_dim]
+    kv_cache: torch.Tensor                  # [L, S, 2, kv_heads, head_dim]: a slot's K and V side by side
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
-    cache = ctx.kv_cache[layer]
-    cache[0].index_copy_(0, ctx.slot_mapping, k)
-    cache[1].index_copy_(0, ctx.slot_mapping, v)
+    cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
+    cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1))
     B, T = ctx.context_slots.shape
-    slots = ctx.context_slots.view(-1)
-    keys = cache[0].index_select(0, slots).view(B, T, *k.shape[1:]).transpose(1, 2)     # [B, Hkv, T, D]
-    values = cache[1].index_select(0, slots).view(B, T, *v.shape[1:]).transpose(1, 2)
+    Hkv, D = k.shape[1:]
+    kv = cache.index_select(0, ctx.context_slots.view(-1)).view(B, T, 2 * Hkv, D).transpose(1, 2)  # [B, 2Hkv, T, D]
+    keys, values = kv.chunk(2, dim=1)                                                   # [B, Hkv, T, D] each
     if ctx.query_index is None:
         queries = q.unsqueeze(0).transpose(1, 2)                                        # [1, Hq, N, D]
     else:

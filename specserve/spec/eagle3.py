@@ -281,9 +281,9 @@ class Eagle3Proposer(Proposer):
             tables[i] = seq.block_table + list(range(next_block, next_block + extra))
             next_block += extra
         cache = self.runner.kv_cache
-        if next_block * bs > cache.shape[2]:
-            grown = cache.new_zeros(*cache.shape[:2], next_block * bs - cache.shape[2], *cache.shape[3:])
-            self.runner.kv_cache = torch.cat([cache, grown], dim=2)
+        if next_block * bs > cache.shape[1]:
+            grown = cache.new_zeros(cache.shape[0], next_block * bs - cache.shape[1], *cache.shape[2:])
+            self.runner.kv_cache = torch.cat([cache, grown], dim=1)
         return tables
 
     # ---- start-up check ----------------------------------------------------------------------------
