@@ -40,7 +40,7 @@ class SpecDefaults:
 @dataclass(slots=True)
 class EngineConfig:
     model: str | Path = field(default_factory=default_model_dir)
-    dtype: str = "auto"                       # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"                       # auto: the checkpoint's dtype on CUDA; on CPU bf16 if it is bf16, else fp32
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory_gb: float = 1.0           # budget for all KV caches (target and drafter)

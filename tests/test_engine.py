@@ -158,3 +158,16 @@ def test_bfloat16_close_to_float32(qwen3_dir):
     llm = LLM(str(qwen3_dir), dtype="bfloat16", kv_cache_memory_gb=0.01, speculative_method="none")
     assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
     assert len(llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids) == 8
+
+
+def test_auto_dtype_on_cpu_follows_a_bf16_checkpoint():
+    from specserve.engine.llm_engine import resolve_dtype
+    from specserve.models.config import ModelConfig
+    cpu = torch.device("cpu")
+    shape = dict(architectures=["Qwen3ForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
+                 num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8)
+    bf16_ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_dtype("auto", ModelConfig(**shape, torch_dtype="bfloat16"), cpu) == (torch.bfloat16 if bf16_ok else torch.float32)
+    assert resolve_dtype("auto", ModelConfig(**shape, torch_dtype="float32"), cpu) == torch.float32
+    assert resolve_dtype("auto", ModelConfig(**shape, torch_dtype="float16"), cpu) == torch.float32
+    assert resolve_dtype("float32", ModelConfig(**shape, torch_dtype="bfloat16"), cpu) == torch.float32

@@ -46,9 +46,14 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto: the checkpoint's dtype on CUDA; on CPU bf16 for a bf16 checkpoint where oneDNN has bf16 kernels
+    (packed bf16 products are batch-invariant and about twice as fast as fp32 ones here), else fp32."""
     if dtype == "auto":
         if device.type == "cuda":
             return parse_dtype(config.torch_dtype or "bfloat16")
+        if config.torch_dtype == "bfloat16" and torch.backends.mkldnn.is_available() \
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return torch.bfloat16
         return torch.float32
     return parse_dtype(dtype)
 
