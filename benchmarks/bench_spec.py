@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="code,text")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: the engine's choice (bf16 for the bf16 demo checkpoint on CPU)")
     ap.add_argument("--tree", default="", help="EAGLE3 trees as b:depth:k,... e.g. 2:3:8,4:2:8")
     args = ap.parse_args()
     model = Path(args.model)

@@ -81,14 +81,19 @@ def test_packed_fp32_model_matches_transformers(model_dir, monkeypatch):
     assert (run_logits(model, torch.float32, ids) - expected).abs().max() <= 1e-4
 
 
-def test_bf16_model_equals_transformers_bf16(model_dir):
-    """Packed bf16 products are oneDNN's own and the norms round in transformers' order: logits bit for bit."""
+def test_bf16_model_matches_transformers_bf16(model_dir):
+    """Packed bf16 products are oneDNN's own and the norms round in transformers' order; attention runs in
+    fp32 (layers/attention.py), so the logits differ from transformers' bf16 ones by about one bf16 step."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     model = load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16)
     ids = torch.randint(0, 400, (30,)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0].float()
-    assert torch.equal(run_logits(model, torch.bfloat16, ids), expected)
+        exact = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()(torch.tensor([ids])).logits[0]
+    got = run_logits(model, torch.bfloat16, ids)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= scale / 64
+    assert (got - exact).abs().max() <= (expected - exact).abs().max() + scale / 128   # no further from fp32
 
 
 @pytest.mark.parametrize("min_bytes", [0, 1 << 40])      # everything packed only / small copies kept too
