@@ -93,7 +93,8 @@ class LLMEngine:
                 setattr(self.spec_defaults, name, getattr(config, name))
         self.proposer, self.spec_method, drafter_bytes_per_token = build_proposer(config, self)
         mc = self.model_config
-        target_bytes = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        target_bytes = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
+                                                self.device)
         bytes_per_block = (target_bytes + drafter_bytes_per_token) * config.block_size
         num_blocks = int(config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
         if num_blocks < 2:

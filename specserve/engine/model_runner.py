@@ -20,8 +20,16 @@ class ForwardItem:
     tree_mask: torch.Tensor | None = None    # [n, n] bool among the new tokens; None: causal chain
 
 
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """bf16 models on CPU keep K/V in fp32 (the exact bf16 values): attention runs in fp32 there
+    (layers/attention.py), and a bf16 cache would be converted again at every layer of every step."""
+    return torch.float32 if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else dtype
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             device: torch.device | str) -> int:
+    element = torch.empty((), dtype=kv_cache_dtype(dtype, device)).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * element
 
 
 class ModelRunner:
@@ -31,7 +39,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim,
-                                    dtype=dtype, device=self.device)
+                                    dtype=kv_cache_dtype(dtype, self.device), device=self.device)
         self._arange = np.arange(1 << 16)
 
     def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:

@@ -26,7 +26,7 @@ class ForwardContext:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
     cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
-    cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1))
+    cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
     B, T = ctx.context_slots.shape
     Hkv, D = k.shape[1:]
     kv = cache.index_select(0, ctx.context_slots.view(-1)).view(B, T, 2 * Hkv, D).transpose(1, 2)  # [B, 2Hkv, T, D]
@@ -35,10 +35,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         queries = q.unsqueeze(0).transpose(1, 2)                                        # [1, Hq, N, D]
     else:
         queries = q[ctx.query_index].transpose(1, 2)                                    # [B, Hq, Q, D]
-    if q.dtype == torch.bfloat16 and q.is_cpu:
-        # torch's CPU attention kernels are 6-8x slower in bf16 than in fp32 here (84 vs 13 us for one decode
-        # query over 250 slots): attend in fp32, which is also the more exact of the two
-        queries, keys, values = queries.float(), keys.float(), values.float()
+    if queries.dtype != keys.dtype:
+        # a bf16 model on CPU, whose cache is fp32 (engine/model_runner.py): torch's CPU attention kernels are
+        # 6-8x slower in bf16 than in fp32 here (84 vs 13 us for one decode query over 250 slots)
+        queries = queries.to(keys.dtype)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.attn_mask,
                                          enable_gqa=keys.shape[1] != queries.shape[1]).to(q.dtype)
     out = out.transpose(1, 2)                                                           # [B, Q, Hq, D]

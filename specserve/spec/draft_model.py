@@ -45,7 +45,8 @@ class DraftModelProposer(Proposer):
         self.model = load_model(path, engine.dtype, engine.device, self.config).pack(engine.device, engine.dtype)
         self.target_vocab = engine.model_config.vocab_size
         c = self.config
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, engine.dtype)
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, engine.dtype,
+                                                   engine.device)
         self.pending: dict[int, tuple[int, int]] = {}     # seq_id -> (committed length, tokens drafted)
 
     def bind(self, engine) -> None:

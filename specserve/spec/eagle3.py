@@ -111,8 +111,8 @@ class Eagle3Proposer(Proposer):
         c = self.config.layer
         self.block_size = engine.config.block_size
         tail_bytes = c.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-        self.kv_bytes_per_token = (kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, engine.dtype)
-                                   + -(-tail_bytes // self.block_size))
+        kv_bytes = kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, engine.dtype, engine.device)
+        self.kv_bytes_per_token = kv_bytes + -(-tail_bytes // self.block_size)
         self.dtype, self.device = engine.dtype, engine.device
         self.states: dict[int, HeadState] = {}
         written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"

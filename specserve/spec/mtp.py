@@ -48,8 +48,8 @@ class MTPProposer(Proposer):
         self.block_size = engine.config.block_size
         self.dtype, self.device = engine.dtype, engine.device
         tail_bytes = N * c.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-        self.kv_bytes_per_token = (kv_cache_bytes_per_token(N, c.num_key_value_heads, c.head_dim, engine.dtype)
-                                   + math.ceil(tail_bytes / self.block_size))
+        kv_bytes = kv_cache_bytes_per_token(N, c.num_key_value_heads, c.head_dim, engine.dtype, engine.device)
+        self.kv_bytes_per_token = kv_bytes + math.ceil(tail_bytes / self.block_size)
         self.states: dict[int, MTPState] = {}
         logger.info("drafting with the %d MTP layer(s) in %s", N, path or engine.config.model)
         k = engine.spec_defaults.num_assistant_tokens
