@@ -10,7 +10,7 @@ from specserve.layers import linear
 from specserve.layers.linear import PackedLinear, pack_linears
 from specserve.llm import LLM
 from specserve.models import llama
-from specserve.models.llama import rms_norm
+from specserve.models.llama import rms_norm, rms_norm_fused
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
 
@@ -59,6 +59,15 @@ def test_rms_norm_rounds_like_transformers():
     ref = transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm(96, eps=1e-6)
     ref.weight.data = w
     assert torch.equal(rms_norm(x, w, 1e-6), ref(x))
+
+
+def test_fused_rms_norm_is_rms_norm():
+    """The inference path's RMSNorm (LayerNorm of [x, -x]): bf16 bit for bit, fp32 to rounding."""
+    torch.manual_seed(0)
+    for dim in (16, 256, 768):
+        x, w = torch.randn(64, dim) * 3, torch.randn(dim) * 0.5 + 1
+        assert torch.equal(rms_norm_fused(x.bfloat16(), w.bfloat16(), 1e-6), rms_norm(x.bfloat16(), w.bfloat16(), 1e-6))
+        assert torch.allclose(rms_norm_fused(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
 
 
 def run_logits(model, dtype, ids):

@@ -31,6 +31,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
 
 
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in one fused CPU kernel, for inference: [x, -x] has mean 0 and variance mean(x^2), so its
+    LayerNorm normalizes x as RMSNorm does (in fp32, rounded once, then scaled: the same order). F.rms_norm is
+    a composite of ~8 small ops on CPU; this is +7-13% tokens/s on small models. Under autocast layer_norm
+    returns fp32, so training keeps rms_norm."""
+    D = x.shape[-1]
+    return F.layer_norm(torch.cat((x, -x), dim=-1), (2 * D,), None, None, eps)[..., :D] * weight
+
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -52,6 +64,11 @@ def frozen_linear(module: nn.Module) -> Linear:
     return module.forward
 
 
+def frozen_norm(weight: torch.Tensor | None) -> Norm:
+    """rms_norm_fused for a norm weight on CPU (where it pays), else rms_norm."""
+    return rms_norm_fused if weight is not None and weight.is_cpu else rms_norm
+
+
 @dataclass(slots=True)
 class AttentionWeights:
     qkv: Linear
@@ -62,6 +79,7 @@ class AttentionWeights:
     head_dim: int
     eps: float
     layer_idx: int
+    norm: Norm
 
 
 @dataclass(slots=True)
@@ -75,6 +93,7 @@ class LayerWeights:
     gate_up: Linear
     down: Linear
     eps: float
+    norm: Norm
 
 
 def attention(x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor,
@@ -83,7 +102,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor, sin: torc
     qkv = w.qkv(x).view(*lead, w.num_heads + 2 * w.num_kv_heads, w.head_dim)
     qk, v = qkv.split([w.num_heads + w.num_kv_heads, w.num_kv_heads], dim=-2)
     if w.qk_norm is not None:       # one norm over all q and k heads, then each head scaled by its own weight
-        qk = rms_norm(qk, w.qk_norm, w.eps)
+        qk = w.norm(qk, w.qk_norm, w.eps)
     qk = apply_rotary(qk, cos, sin)                           # q and k heads rotated together: fewer small ops
     q, k = qk.split([w.num_heads, w.num_kv_heads], dim=-2)
     out = causal_attention(q, k, v) if ctx is None else paged_attention(q, k, v, ctx, w.layer_idx)
@@ -97,8 +116,8 @@ def mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
 
 def decoder_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
                   ctx: ForwardContext | None) -> torch.Tensor:
-    x = x + attention(rms_norm(x, w.input_norm, w.eps), w.attn, cos, sin, ctx)
-    return x + mlp(rms_norm(x, w.post_norm, w.eps), w.gate_up, w.down)
+    x = x + attention(w.norm(x, w.input_norm, w.eps), w.attn, cos, sin, ctx)
+    return x + mlp(w.norm(x, w.post_norm, w.eps), w.gate_up, w.down)
 
 
 class Attention(nn.Module):
@@ -127,7 +146,8 @@ class Attention(nn.Module):
                                  self.k_norm.weight.expand(self.num_kv_heads, -1)))
         link = frozen_linear if frozen else (lambda m: m)
         return AttentionWeights(link(self.qkv_proj), link(self.o_proj), qk_norm, self.num_heads,
-                                self.num_kv_heads, self.head_dim, self.eps, self.layer_idx)
+                                self.num_kv_heads, self.head_dim, self.eps, self.layer_idx,
+                                frozen_norm(self.q_norm.weight if self.qk_norm else None) if frozen else rms_norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         return attention(x, self.frozen if self.frozen is not None else self.weights(), cos, sin, ctx)
@@ -157,7 +177,8 @@ class DecoderLayer(nn.Module):
         link = frozen_linear if frozen else (lambda m: m)
         return LayerWeights(self.self_attn.weights(frozen), self.input_layernorm.weight,
                             self.post_attention_layernorm.weight, link(self.mlp.gate_up_proj),
-                            link(self.mlp.down_proj), self.input_layernorm.eps)
+                            link(self.mlp.down_proj), self.input_layernorm.eps,
+                            frozen_norm(self.input_layernorm.weight) if frozen else rms_norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         return decoder_layer(x, self.frozen if self.frozen is not None else self.weights(), cos, sin, ctx)
