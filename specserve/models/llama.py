@@ -48,9 +48,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.norm: Norm = rms_norm                              # pack_for_inference: frozen_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -240,12 +241,15 @@ class LlamaForCausalLM(nn.Module):
 
 
 def pack_for_inference(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """For inference only (not trainable afterwards): packed linears (layers/linear.py) and each layer's
-    weights frozen into its bundle, so that a forward makes no nn.Module calls inside the layers."""
+    """For inference only (not trainable afterwards): packed linears (layers/linear.py), each layer's
+    weights frozen into its bundle, so that a forward makes no nn.Module calls inside the layers, and every
+    RMSNorm on the fused kernel (rms_norm_fused) on CPU."""
     pack_linears(module, device, dtype)
     for m in module.modules():
         if isinstance(m, (Attention, DecoderLayer)):
             m.frozen = m.weights(frozen=True)
+        elif isinstance(m, RMSNorm):
+            m.norm = frozen_norm(m.weight)
     return module
 
 
