@@ -86,8 +86,8 @@ class AttentionWeights:
 @dataclass(slots=True)
 class LayerWeights:
     """What one decoder layer computes with. Built from the live modules at each call (training: autograd
-    flows through them), or once for inference by LlamaForCausalLM.pack (frozen: packed products, the q/k
-    norm weights already joined), so that the decode path makes no module calls."""
+    flows through them), or once for inference by pack_for_inference (frozen: packed products, the q/k norm
+    weights already joined, the fused RMSNorm on CPU), so that the decode path makes no module calls."""
     attn: AttentionWeights
     input_norm: torch.Tensor
     post_norm: torch.Tensor
