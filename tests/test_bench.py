@@ -12,8 +12,8 @@ import pytest
 
 from specserve.bench.client import (RequestInput, RequestOutput, SSEDecoder, SpecCounters, build_payload,
                                     parse_spec_counters)
-from specserve.bench.datasets import (SONNET_BASE_PROMPT, load_jsonl_prompts, load_sonnet, sample_jsonl,
-                                      sample_random, sample_sonnet)
+from specserve.bench.datasets import (SONNET_BASE_PROMPT, default_sonnet_path, load_jsonl_prompts, load_sonnet,
+                                      sample_jsonl, sample_random, sample_sonnet)
 from specserve.bench.metrics import (calculate_metrics, format_result, peak_concurrency, result_dict,
                                      spec_decode_stats)
 from specserve.bench.cli import build_parser
@@ -22,7 +22,7 @@ from specserve.bench.sweep import (SweepPoint, acceptance_length, add_speedups, 
                                    tokens_per_target_step, write_results)
 from specserve.bench.tune import pick_num_assistant_tokens, write_generation_config
 
-SONNET = Path(__file__).resolve().parents[1].parent / "shared/data/sonnet.txt"
+SONNET = default_sonnet_path()
 
 
 class WordTokenizer:
@@ -146,7 +146,6 @@ def test_arrival_times():
 # --- prompts ---
 
 
-@pytest.mark.skipif(not SONNET.is_file(), reason=f"{SONNET} missing")
 def test_sonnet_deterministic_and_within_input_length():
     lines, tok = load_sonnet(SONNET), WordTokenizer()
     a = sample_sonnet(lines, tok, 5, input_len=120, output_len=30, prefix_len=50, seed=7)

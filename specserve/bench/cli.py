@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specserve.bench.datasets import default_sonnet_path
 from specserve.bench.metrics import LATENCY_HEADERS
 from specserve.bench.serve import run_serve
 from specserve.bench.sweep import run_sweep
@@ -101,7 +100,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts")
     g.add_argument("--dataset-name", choices=["sonnet", "random", "jsonl"], default="sonnet")
-    g.add_argument("--dataset-path", help="sonnet text (default ../shared/data/sonnet.txt) or a .jsonl file "
+    g.add_argument("--dataset-path", help="sonnet text (default: the copy shipped with specserve) or a .jsonl file "
                                           "with 'prompt', 'turns' or 'question' per line")
     g.add_argument("--input-len", type=positive_int, help="overrides the dataset's input length")
     g.add_argument("--output-len", type=positive_int, help="overrides the dataset's output length (jsonl: 256)")
@@ -151,8 +150,6 @@ def check_args(args: argparse.Namespace, error: Callable[[str], None]) -> None:
         error(f"--backend {args.backend} does not speak --endpoint {args.endpoint}")
     if args.dataset_name == "jsonl" and not args.dataset_path:
         error("--dataset-path is required with --dataset-name jsonl")
-    if args.dataset_name == "sonnet" and not args.dataset_path and default_sonnet_path() is None:
-        error("--dataset-path is required: no sonnet.txt at ../shared/data/")
     if args.dataset_path and not Path(args.dataset_path).is_file():
         error(f"--dataset-path {args.dataset_path}: no such file")
     if args.tokenizer and not Path(args.tokenizer).is_dir():

@@ -31,13 +31,10 @@ def as_user_turn(tokenizer: TokenizerLike, text: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
-def default_sonnet_path() -> Path | None:
-    """The sonnet file beside the checkout (`../shared/data/sonnet.txt`), or inside it (`shared/data/`)."""
-    repo_root = Path(__file__).resolve().parents[2]
-    for path in (repo_root.parent / "shared/data/sonnet.txt", repo_root / "shared/data/sonnet.txt"):
-        if path.is_file():
-            return path
-    return None
+def default_sonnet_path() -> Path:
+    """The sonnet text `vllm bench serve --dataset-name sonnet` reads (Shakespeare's sonnets, public domain),
+    shipped with the package so that a fresh install can benchmark without a download."""
+    return Path(__file__).resolve().parent / "data" / "sonnet.txt"
 
 
 def sample_sonnet(lines: list[str], tokenizer: TokenizerLike, num_requests: int, input_len: int = 550,
