@@ -56,18 +56,13 @@ def specserve_runner(model_dir: Path, ids: list[int], new_tokens: int, dtype: st
     return run
 
 
-def profile_specserve(model_dir: Path, ids: list[int], new_tokens: int, dtype: str) -> None:
-    """Where a decode step's time goes: torch's operator profile plus the Python share around it."""
+def profile_specserve(run, new_tokens: int) -> None:
+    """Where a decode step's time goes, in one run of specserve_runner's engine: torch's operator profile
+    plus the Python share around it."""
     from torch.profiler import ProfilerActivity, profile
-    from specserve.llm import LLM
-    from specserve.sampling_params import SamplingParams
-    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25,
-              num_threads=torch.get_num_threads())
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([ids], params)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        llm.generate([ids], params)
+        run()
         wall = time.perf_counter() - start
     events = prof.key_averages()
     op_total = sum(e.self_cpu_time_total for e in events) / 1e6
@@ -105,7 +100,7 @@ def main() -> None:
                 hf, ours = max(p[0] for p in pairs), max(p[1] for p in pairs)
                 rows.append((name, n_params / 1e6, dtype, hf, ours, statistics.median(o / h for h, o in pairs)))
                 if args.profile:
-                    profile_specserve(model_dir, ids, args.new_tokens, dtype)
+                    profile_specserve(our_run, args.new_tokens)
     print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.threads} thread(s), {args.repeats} "
           f"interleaved runs each: best tok/s, their ratio, and the median of the runs' ratios")
     print("| model | params (M) | dtype | transformers tok/s | specserve tok/s | ratio of best | median ratio |")

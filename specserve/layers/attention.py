@@ -35,12 +35,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         queries = q.unsqueeze(0).transpose(1, 2)                                        # [1, Hq, N, D]
     else:
         queries = q[ctx.query_index].transpose(1, 2)                                    # [B, Hq, Q, D]
-    if queries.dtype != keys.dtype:
-        # a bf16 model on CPU, whose cache is fp32 (engine/model_runner.py): torch's CPU attention kernels are
-        # 6-8x slower in bf16 than in fp32 here (84 vs 13 us for one decode query over 250 slots)
-        queries = queries.to(keys.dtype)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.attn_mask,
-                                         enable_gqa=keys.shape[1] != queries.shape[1]).to(q.dtype)
+    # a bf16 model on CPU has an fp32 cache (engine/model_runner.py) and attends in fp32: torch's CPU attention
+    # kernels are 6-8x slower in bf16 than in fp32 here (84 vs 13 us for one decode query over 250 slots)
+    upcast = queries.dtype != keys.dtype
+    out = F.scaled_dot_product_attention(queries.to(keys.dtype) if upcast else queries, keys, values,
+                                         attn_mask=ctx.attn_mask, enable_gqa=keys.shape[1] != queries.shape[1])
+    if upcast:
+        out = out.to(q.dtype)
     out = out.transpose(1, 2)                                                           # [B, Q, Hq, D]
     if ctx.output_index is None:
         return out.reshape(q.shape)

@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.norm: Norm = rms_norm                              # pack_for_inference: frozen_norm
+        self.norm: Norm = rms_norm                              # pack_for_inference: rms_norm_fused on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, self.weight, self.eps)
@@ -63,11 +63,6 @@ def frozen_linear(module: nn.Module) -> Linear:
     if isinstance(module, nn.Linear):
         return functools.partial(F.linear, weight=module.weight, bias=module.bias)
     return module.forward
-
-
-def frozen_norm(weight: torch.Tensor | None) -> Norm:
-    """rms_norm_fused for a norm weight on CPU (where it pays), else rms_norm."""
-    return rms_norm_fused if weight is not None and weight.is_cpu else rms_norm
 
 
 @dataclass(slots=True)
@@ -148,7 +143,7 @@ class Attention(nn.Module):
         link = frozen_linear if frozen else (lambda m: m)
         return AttentionWeights(link(self.qkv_proj), link(self.o_proj), qk_norm, self.num_heads,
                                 self.num_kv_heads, self.head_dim, self.eps, self.layer_idx,
-                                frozen_norm(self.q_norm.weight if self.qk_norm else None) if frozen else rms_norm)
+                                self.q_norm.norm if self.qk_norm else rms_norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         return attention(x, self.frozen if self.frozen is not None else self.weights(), cos, sin, ctx)
@@ -179,7 +174,7 @@ class DecoderLayer(nn.Module):
         return LayerWeights(self.self_attn.weights(frozen), self.input_layernorm.weight,
                             self.post_attention_layernorm.weight, link(self.mlp.gate_up_proj),
                             link(self.mlp.down_proj), self.input_layernorm.eps,
-                            frozen_norm(self.input_layernorm.weight) if frozen else rms_norm)
+                            self.input_layernorm.norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         return decoder_layer(x, self.frozen if self.frozen is not None else self.weights(), cos, sin, ctx)
@@ -223,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux.append(x)
-            x = decoder_layer(x, layer.frozen if layer.frozen is not None else layer.weights(), cos, sin, ctx)
+            x = layer.forward(x, cos, sin, ctx)       # not layer(): nn.Module's call machinery costs ~1.5 us
         if len(self.model.layers) in aux_layers:
             aux.append(x)
         return self.model.norm(x), aux
@@ -245,11 +240,12 @@ def pack_for_inference(module: nn.Module, device: torch.device, dtype: torch.dty
     weights frozen into its bundle, so that a forward makes no nn.Module calls inside the layers, and every
     RMSNorm on the fused kernel (rms_norm_fused) on CPU."""
     pack_linears(module, device, dtype)
+    for m in module.modules():      # the norms first: the frozen bundles take each layer's norm function
+        if isinstance(m, RMSNorm) and m.weight.is_cpu:
+            m.norm = rms_norm_fused
     for m in module.modules():
         if isinstance(m, (Attention, DecoderLayer)):
             m.frozen = m.weights(frozen=True)
-        elif isinstance(m, RMSNorm):
-            m.norm = frozen_norm(m.weight)
     return module
 
 
