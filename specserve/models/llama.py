@@ -254,3 +254,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         config.qk_norm = True
         super().__init__(config)
 
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig):
+        config.attention_bias = True        # Qwen2 always has q/k/v biases; its config.json does not say so
+        super().__init__(config)

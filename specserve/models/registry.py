@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 # config.architectures[0] -> model class
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": llama.LlamaForCausalLM,
+    "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
     "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
 }
 
