@@ -149,7 +149,11 @@ def test_sharded_checkpoint_loads(tmp_path, qwen3_dir):
     assert torch.equal(a.compute_logits(a(ids[None], torch.arange(20))[0]), b.compute_logits(b(ids[None], torch.arange(20))[0]))
 
 
-def test_bfloat16_close_to_float32(qwen3_dir):
+@pytest.mark.parametrize("cpu", ["this-cpu", "no-bf16-onednn"])
+def test_bfloat16_close_to_float32(qwen3_dir, cpu, monkeypatch):
+    if cpu == "no-bf16-onednn":                     # as on an AVX2-only CPU: bf16 products without oneDNN
+        from cpu_features import without_bf16_onednn
+        without_bf16_onednn(monkeypatch)
     ids = torch.randint(0, 400, (1, 24))
     m32, m16 = load_model(qwen3_dir, torch.float32), load_model(qwen3_dir, torch.bfloat16)
     l32 = m32.compute_logits(m32(ids, torch.arange(24))[0])

@@ -21,8 +21,16 @@ PACK_MIN_BYTES = 1 << 20
 PLAIN_MAX_ROWS = 3
 
 
+def bf16_packing_supported() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with native bf16 conversions (AVX512-BW/VL/DQ or AVX-NE-CONVERT);
+    on others (AVX2 only) `_reorder_linear_weight` raises, and bf16 products take F.linear instead."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_packing_supported())
 
 
 def keeps_plain(weight: torch.Tensor) -> bool:
