@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from specserve.config import default_model_dir
+from specserve.config import demo_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ def label_of(method: str, setting: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(default_model_dir()))
+    ap.add_argument("--model", default=str(demo_model_dir()))
     ap.add_argument("--methods", default="none,ngram,draft,eagle3")
     ap.add_argument("--k", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--trees", default=DEFAULT_TREES, help="b:depth:k,...")

@@ -13,14 +13,14 @@ from pathlib import Path
 
 from bench_spec import heldout_prompts, measure
 
-from specserve.config import default_model_dir
+from specserve.config import demo_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(default_model_dir()))
+    ap.add_argument("--model", default=str(demo_model_dir()))
     ap.add_argument("--methods", default="none,ngram,draft,eagle3,mtp")
     ap.add_argument("--k", default="1,2,3,4,5,6")
     ap.add_argument("--batch", type=int, default=1)

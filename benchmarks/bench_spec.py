@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from specserve.config import default_model_dir
+from specserve.config import demo_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -71,7 +71,7 @@ def measure(llm: LLM, prompts: list[str], batch: int, params: SamplingParams) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(default_model_dir()))
+    ap.add_argument("--model", default=str(demo_model_dir()))
     ap.add_argument("--methods", default="none,ngram,draft")
     ap.add_argument("--k", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--batch", default="1,8")

@@ -1,4 +1,4 @@
-"""specserve command line: generate, serve, bench, tune, train."""
+"""specserve command line: generate, convert, serve, bench, tune, train."""
 from __future__ import annotations
 
 import argparse
@@ -9,11 +9,13 @@ import sys
 import time
 
 from specserve.cli_args import add_engine_arguments, engine_config_from_args, int_at_least
+from specserve.config import DEFAULT_MODEL_NAME
 
 
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate a completion offline")
-    p.add_argument("--model", default=None, help="model folder (default: the demo model shipped with specserve)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder or GGUF file "
+                   f"(default: {DEFAULT_MODEL_NAME}, drafting with n-gram lookup)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int_at_least(1), default=128)
@@ -61,11 +63,33 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_convert_parser(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="convert a GGUF file into a Hugging Face model folder",
+                              description="Dequantize a GGUF file (llama, qwen2, qwen3) and write config.json, "
+                                          "model.safetensors, tokenizer.json, tokenizer_config.json and "
+                                          "generation_config.json.")
+    p.add_argument("gguf_file", metavar="FILE.gguf")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="dtype of the written weights (default: bfloat16)")
+    p.set_defaults(func=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from specserve.gguf.convert import convert
+    from specserve.models.registry import parse_dtype
+    start = time.perf_counter()
+    out = convert(args.gguf_file, args.out_dir, parse_dtype(args.dtype))
+    print(f"wrote {out} ({args.dtype}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM inference built around speculative decoding")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    add_convert_parser(sub)
     from specserve.server.cli import add_serve_parser
     from specserve.bench.cli import add_bench_parsers
     from specserve.train.cli import add_train_parsers

