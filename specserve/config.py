@@ -83,6 +83,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None            # CPU intra-op threads; None: 1 for models whose weights fit in cache
+    quantization: str | None = None           # "int8": weight-only int8 linears on CPU (layers/quantization.py)
     # speculative decoding
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"
     draft_model: str | Path | None = None
@@ -99,11 +100,13 @@ class EngineConfig:
             if self.speculative_method is None and self.draft_model is None:
                 self.speculative_method = DEFAULT_SPEC_METHOD
         from specserve.gguf.convert import model_dir   # imports torch and gguf: only once a config is made
-        self.model = model_dir(self.model)    # a GGUF file: its cached Hugging Face conversion
+        self.model = model_dir(self.model, self.dtype)    # a GGUF file: its cached Hugging Face conversion
         if self.speculative_method is not None and self.speculative_method not in SPEC_METHODS:
             raise ValueError(f"speculative_method must be one of {SPEC_METHODS}, got {self.speculative_method!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_assistant_tokens is not None and not 0 <= self.num_assistant_tokens <= MAX_NUM_ASSISTANT_TOKENS:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,15 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
         "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
         "The quick brown fox jumps over the lazy dog. ") * 20
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specserve_cache(tmp_path_factory) -> Path:
+    """specserve's cache (GGUF conversions, file digests) in a folder of this session: the default model is
+    converted once per session, and never into the user's own cache."""
+    path = tmp_path_factory.mktemp("specserve-cache")
+    os.environ["SPECSERVE_CACHE_DIR"] = str(path)
+    return path
 
 
 def write_tokenizer(out: Path, vocab_size: int = 400) -> None:

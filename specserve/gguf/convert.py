@@ -19,6 +19,7 @@ from specserve.gguf.cache import cache_dir, file_sha256
 from specserve.gguf.reader import GGUFFile, is_gguf
 from specserve.gguf.tokenizer import build_tokenizer, generation_config, tokenizer_config
 from specserve.models.loader import save_safetensors
+from specserve.models.registry import parse_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ def converted_dir(gguf_path: str | Path, dtype: torch.dtype = torch.bfloat16) ->
     return out
 
 
-def model_dir(model: str | Path) -> str | Path:
-    """What the engine loads for a model argument: a GGUF file's cached conversion; a folder as it is."""
-    return converted_dir(model) if is_gguf(model) else model
+def model_dir(model: str | Path, dtype: str = "auto") -> str | Path:
+    """What the engine loads for a model argument: a GGUF file's cached conversion; a folder as it is.
+    The conversion is in the dtype the engine runs (bfloat16 for auto), so float32 gets the exact dequantized
+    values rather than their bfloat16 rounding."""
+    if not is_gguf(model):
+        return model
+    return converted_dir(model, torch.bfloat16 if dtype == "auto" else parse_dtype(dtype))
