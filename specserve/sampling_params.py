@@ -1,5 +1,13 @@
 from dataclasses import dataclass, field
 
+# limits on what one request may ask of the engine (the server answers 400 beyond them)
+MAX_TEMPERATURE = 2.0                 # OpenAI's maximum
+MIN_TEMPERATURE = 1e-2                # a positive temperature below it is raised to it, as vLLM does: smaller
+                                      # ones overflow the logits in float32 (1e-300 is 0 there)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -28,10 +36,18 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.top_k < 0:
             self.top_k = 0
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if any(len(stop) > MAX_STOP_STRING_CHARS for stop in self.stop):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.prompt_lookup_min is not None and self.prompt_lookup_min < 1:

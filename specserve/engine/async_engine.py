@@ -25,7 +25,11 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped: shut down, or failed inside a step."""
+    """The engine thread has stopped: shut down, or failed outside the isolation of a step."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request's engine step failed (an internal error); the engine serves the others on."""
 
 
 @dataclass(slots=True)
@@ -97,6 +101,8 @@ class RequestStream:
             self.finished = True
             raise item
         self.finished = item.finished
+        if item.error is not None:
+            raise RequestFailedError(item.error)
         return item
 
     def close(self) -> None:
@@ -114,6 +120,8 @@ class AsyncEngine:
         self.num_in_flight = 0                      # admitted and not yet left the engine
         self.load = EngineLoad()
         self.dead: EngineDeadError | None = None
+        # run in the engine thread when an error stops it (not on shutdown): the server exits non-zero then
+        self.on_crash: Callable[[], None] | None = None
         self.finish_listeners: list[Callable[[Sequence], None]] = []   # run in the engine thread
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue[AddRequest | AbortRequest | Shutdown] = queue.SimpleQueue()
@@ -189,9 +197,11 @@ class AsyncEngine:
                 for out in self.engine.step():
                     self._dispatch(out)
             self._fail_all(EngineDeadError("the server is shutting down"))
-        except Exception as e:
-            logger.exception("engine step failed; the engine is stopped")
+        except BaseException as e:          # a step's own failure is isolated in LLMEngine.step; this is not
+            logger.exception("the engine thread failed; the engine is stopped")
             self._fail_all(EngineDeadError(f"the engine stopped after an internal error: {e!r}"))
+            if self.on_crash is not None:
+                self.on_crash()
 
     def _process_commands(self) -> bool:
         """Apply queued adds and aborts; False once asked to shut down."""

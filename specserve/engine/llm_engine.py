@@ -37,6 +37,7 @@ class StepOutput:
     new_text: str
     finished: bool
     seq: Sequence
+    error: str | None = None              # set when the request's step failed: it finished without its tokens
 
 
 def resolve_device(device: str) -> torch.device:
@@ -137,6 +138,11 @@ class LLMEngine:
             if b * b * (depth - 1) + b < k:
                 raise RequestError(f"a tree with branching_factor={b} and tree_depth={depth} has "
                                    f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
+        if self.proposer is not None:
+            try:
+                self.proposer.check(params)
+            except ValueError as e:
+                raise RequestError(str(e)) from e
         return params
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -147,8 +153,13 @@ class LLMEngine:
         if len(prompt_token_ids) >= limit:
             raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model accepts at most "
                                f"{limit - 1} (max_model_len {self.max_model_len}, KV cache {self.max_num_tokens} tokens)")
-        if bad := [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]:
+        vocab = self.model_config.vocab_size
+        if bad := [t for t in prompt_token_ids if not 0 <= t < vocab]:
             raise RequestError(f"prompt token ids out of the vocabulary: {bad[:5]}")
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
+            raise RequestError(f"stop_token_ids out of the vocabulary (size {vocab}): {bad[:5]}")
+        if params.top_k >= vocab:
+            params.top_k = 0                   # keeps every token: the same as off, and fits the sampler's int64
         seq = Sequence(prompt_token_ids, params, request_id)
         if seq.request_id in self.requests:
             raise RequestError(f"duplicate request id {seq.request_id!r}")
@@ -192,6 +203,26 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self._lookahead)
         if not scheduled:
             return []
+        try:
+            return self.run_step(scheduled)
+        except Exception as e:    # a defect, or a request admission let through: only this step's requests fail
+            logger.exception("an engine step failed; finishing its %d requests with an error", len(scheduled))
+            return self.fail_step(scheduled, e)
+
+    def fail_step(self, scheduled: list[ScheduledSeq], error: Exception) -> list[StepOutput]:
+        """Finish every sequence of a failed step (freeing its blocks) with an error output; the other
+        requests are untouched: a step writes K/V only past its sequences' computed tokens."""
+        message = f"internal error while generating ({type(error).__name__}: {error}); the request was stopped"
+        outputs = []
+        for s in scheduled:
+            seq = s.seq
+            if not seq.is_finished:            # those finished earlier in the step lost their last output too
+                seq.finish_reason = "error"
+                self._finish(seq)
+            outputs.append(StepOutput(seq.request_id, [], "", True, seq, message))
+        return outputs
+
+    def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
         draft = self.propose(scheduled)
         items = self.prepare(scheduled, draft)
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers if self.proposer else ())

@@ -49,7 +49,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             uncomputed = len(seq) - seq.num_computed_tokens
-            lookahead = lookahead_of(seq) if uncomputed == 1 else 0
+            # draft slots count against the step's token budget, so drafts never grow a batch past it
+            lookahead = min(lookahead_of(seq), max(0, budget - 1)) if uncomputed == 1 else 0
             num_new = min(uncomputed, budget - lookahead) if uncomputed > 1 else 1
             if num_new <= 0:
                 i += 1

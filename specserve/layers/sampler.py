@@ -103,6 +103,13 @@ def draw_uniforms(
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+SEED_MODULUS = 1 << 64
+
+
+def seed_array(seeds: list[int]) -> np.ndarray:
+    """Any Python integer as the generator's 64-bit seed: taken modulo 2**64 (two's complement for the
+    negative ones, so -1 is 2**64 - 1), which leaves every seed in [0, 2**64) unchanged."""
+    return np.asarray([s % SEED_MODULUS for s in seeds], dtype=np.uint64)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -120,7 +127,7 @@ def position_uniforms(seeds: list[int], positions, stream: int = 0) -> torch.Ten
     however many steps it took to get there, so a seeded request draws the same numbers with or without
     speculation (and, for deterministic drafts, yields the same tokens as plain sampling).
     """
-    seed = _splitmix64(np.asarray(seeds, dtype=np.uint64) ^ (np.uint64(stream) << np.uint64(56)))
+    seed = _splitmix64(seed_array(seeds) ^ (np.uint64(stream) << np.uint64(56)))
     pos = np.asarray(positions, dtype=np.uint64).reshape(len(seeds), -1)
     with np.errstate(over="ignore"):
         h = _splitmix64(_splitmix64(seed[:, None] + pos * _GOLDEN))

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import secrets
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -19,17 +20,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
-from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
 from specserve.engine.llm_engine import RequestError
 from specserve.engine.sequence import Sequence
+from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (
     APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
     CompletionResponse, DetokenizeRequest, DetokenizeResponse, GenerationRequest, ModelCard, ModelList,
-    SamplingDefaults, TokenizeRequest, TokenizeResponse,
+    SamplingDefaults, TokenizeRequest, TokenizeResponse, check_text,
 )
-from specserve.server.streaming import MakeChunk, error_json, last_output, sse_events, unless_disconnected
+from specserve.server.streaming import MakeChunk, last_output, sse_events, unless_disconnected
 from specserve.tokenizer import flatten_content
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class ServerState:
                                 f"{', '.join(self.served_model_names)}", param="model")
         return self.served_model_names[0]
 
+    # run in a worker thread (tokenizing or templating a large prompt takes seconds), never on the event loop
     def chat_prompt_ids(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         try:
             messages = [{**m.model_dump(exclude_none=True), "content": flatten_content(m.content)}
@@ -68,27 +72,39 @@ class ServerState:
                                                         **(body.chat_template_kwargs or {}))
         except Exception as e:              # template errors (raise_exception, bad parts) are the request's
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(check_text(prompt, "messages"), add_special_tokens=False)
 
-
-def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse(error_json(e), status_code=e.status, headers=headers)
+    def prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(check_text(prompt, "prompt"), add_special_tokens=add_special_tokens)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
+    """The first error names the parameter; a union's other alternatives follow it."""
+    errors = exc.errors()
+    err = errors[0]
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", None
     if not loc:
         return f"the request body must be a JSON object: {err['msg']}", None
     param = ".".join(loc)
-    got = f" (got {err['input']!r})" if "input" in err and err.get("type") != "missing" else ""
-    return f"{param}: {err['msg']}{got}", param
+    got = f" (got {shorten(repr(err['input']))})" if "input" in err and err.get("type") != "missing" else ""
+    others = [f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors[1:3] if e.get("loc", ())[1:2] == (loc[0],)]
+    return f"{param}: {err['msg']}{got}" + "".join(f"; or {o}" for o in others), param
 
 
-def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None) -> FastAPI:
+def shorten(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; the scheme is case-insensitive (RFC 9110)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     state = ServerState(engine, names, api_key, ServerMetrics(names[0], engine),
                         SamplingDefaults.from_model_dir(engine.engine.config.model))
@@ -100,34 +116,36 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="specserve", lifespan=lifespan)
+    app.add_middleware(LimitRequestBytes, max_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
-        return error_response(e)
+        return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError):
-        return error_response(APIError(400, *validation_message(e)))
+        return APIError(400, *validation_message(e)).response()
 
-    @app.exception_handler(404)
-    async def on_not_found(request: Request, e):
-        return error_response(APIError(404, f"no route {request.method} {request.url.path}"))
-
-    @app.exception_handler(405)
-    async def on_method_not_allowed(request: Request, e):
-        return error_response(APIError(405, f"method {request.method} is not allowed on {request.url.path}",
-                                       type="invalid_request_error"))
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, e: HTTPException):
+        """Routing errors (404, 405 with its Allow header) and bodies FastAPI cannot parse (400)."""
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"no route {where}",
+                   405: f"method {request.method} is not allowed on {request.url.path}; allowed: "
+                        f"{(e.headers or {}).get('Allow', 'none')}",
+                   400: f"cannot parse the request body: {e.detail} (it must be a JSON object in UTF-8)"}
+        return APIError(e.status_code, message.get(e.status_code, str(e.detail))).response(e.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, e: Exception):
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {e!r}"))
+        return APIError(500, f"internal error: {e!r}").response()
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None or not secrets.compare_digest(token.encode(), api_key.encode()):
             raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
                            type="authentication_error")
 
@@ -138,7 +156,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     async def health():
         if engine.dead is not None:
             raise APIError(503, str(engine.dead))
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @open_routes.get("/metrics")
     async def metrics():
@@ -156,9 +174,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
-            ids = state.chat_prompt_ids(body)
+            ids = await asyncio.to_thread(state.chat_prompt_ids, body)
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(state.prompt_ids, body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.engine.max_model_len, tokens=ids)
 
     @routes.post("/detokenize")
@@ -167,12 +185,11 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
         vocab = engine.engine.model_config.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise APIError(400, f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(state.tokenizer.decode, body.tokens))
 
     async def generate(request: Request, body: GenerationRequest, prompt_ids: list[int], request_id: str,
                        default_max_tokens: int | None, make_chunk: MakeChunk,
-                       make_response: Callable[[Sequence], BaseModel]) -> Response:
-        body.check_supported()
+                       make_response: Callable[[Sequence], BaseModel], opening: BaseModel | None = None) -> Response:
         params = body.to_sampling_params(state.sampling_defaults, len(prompt_ids), state.max_len, default_max_tokens)
         try:
             stream = await unless_disconnected(request, engine.add_request(prompt_ids, params, request_id))
@@ -182,11 +199,11 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
             raise APIError(503, str(e)) from e
         if body.stream:
             # the background close() covers a client gone before the body iterator ever ran
-            return StreamingResponse(sse_events(stream, make_chunk, body.include_usage),
+            return StreamingResponse(sse_events(stream, make_chunk, body.include_usage, opening),
                                      media_type="text/event-stream", background=BackgroundTask(stream.close))
         try:
             seq = (await unless_disconnected(request, last_output(stream))).seq
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestFailedError) as e:
             raise APIError(500, str(e)) from e
         elapsed = time.perf_counter() - seq.arrival_time
         rate = seq.num_output_tokens / elapsed if elapsed > 0 else 0.0
@@ -195,15 +212,19 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     @routes.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model, request_id = state.check_model(body.model), f"chatcmpl-{uuid.uuid4().hex}"
-        return await generate(request, body, state.chat_prompt_ids(body), request_id, None,
+        body.check_supported()
+        prompt_ids = await asyncio.to_thread(state.chat_prompt_ids, body)
+        return await generate(request, body, prompt_ids, request_id, None,
                               partial(ChatCompletionChunk.of, request_id, model),
-                              partial(ChatCompletionResponse.of, request_id, model))
+                              partial(ChatCompletionResponse.of, request_id, model),
+                              ChatCompletionChunk.role(request_id, model))
 
     @routes.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model, request_id = state.check_model(body.model), f"cmpl-{uuid.uuid4().hex}"
+        body.check_supported()
         prompt = body.single_prompt()
-        prompt_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        prompt_ids = await asyncio.to_thread(state.prompt_ids, prompt) if isinstance(prompt, str) else prompt
         return await generate(request, body, prompt_ids, request_id, COMPLETIONS_DEFAULT_MAX_TOKENS,
                               partial(CompletionResponse.chunk, request_id, model),
                               partial(CompletionResponse.of, request_id, model))
@@ -213,8 +234,24 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     return app
 
 
+def check_dtype_supported(dtype: str, device: str) -> None:
+    """A reduced-precision dtype on a CPU whose oneDNN build has no kernels for it fails deep in the first
+    matrix product; refuse it before loading anything."""
+    import torch
+
+    from specserve.engine.llm_engine import resolve_device
+    if dtype not in ("bfloat16", "float16") or resolve_device(device).type != "cpu":
+        return
+    supported = torch.backends.mkldnn.is_available() and (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == "bfloat16" else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if not supported:
+        raise ValueError(f"--dtype {dtype} needs {dtype} CPU kernels, which this CPU lacks (oneDNN reports no "
+                         f"{dtype} support); use --dtype float32, or auto (which picks float32 here)")
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Build the engine from resolved `serve` arguments and serve until Ctrl-C."""
+    """Build the engine from resolved `serve` arguments and serve until Ctrl-C. Exits with status 1 when
+    the engine thread dies (see AsyncEngine.on_crash), so that a supervisor restarts the server."""
     import uvicorn
 
     from specserve.engine.llm_engine import LLMEngine
@@ -225,6 +262,7 @@ def run_server(args: argparse.Namespace) -> None:
                         force=True)
     try:
         config = engine_config_from_args(args)
+        check_dtype_supported(config.dtype, config.device)
         engine = LLMEngine(config)
         engine.resolve(SamplingParams())    # the server-wide speculative defaults must be servable
     except (ValueError, OSError) as e:
@@ -234,5 +272,21 @@ def run_server(args: argparse.Namespace) -> None:
     logger.info("serving %s as %s on http://%s:%d (speculative method: %s%s)", config.model, ", ".join(names),
                 args.host, args.port, engine.spec_method,
                 f", {engine.spec_defaults.num_assistant_tokens} draft tokens" if engine.spec_method != "none" else "")
-    app = build_app(AsyncEngine(engine, args.max_queue_len), names, args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    async_engine = AsyncEngine(engine, args.max_queue_len)
+    app = build_app(async_engine, names, args.api_key, args.max_request_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    crashed = threading.Event()
+
+    def on_crash() -> None:
+        crashed.set()
+        server.should_exit = True          # uvicorn's main loop polls it: in-flight requests get their errors first
+
+    async_engine.on_crash = on_crash
+    try:
+        server.run()
+    except KeyboardInterrupt:               # uvicorn re-raises Ctrl-C once it has shut down, as uvicorn.run does
+        pass
+    if crashed.is_set():
+        logger.critical("the engine thread died; exiting with status 1 so that a supervisor restarts the server")
+        raise SystemExit(1)

@@ -13,9 +13,10 @@ from pathlib import Path
 from specserve.cli_args import ENGINE_DEFAULTS, add_engine_arguments, int_at_least
 from specserve.cli_args import default as engine_default
 from specserve.config import DEFAULT_MODEL_NAME
+from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_queue_len": 256, "log_level": "info",
-                  "no_prefix_caching": False, "no_ngram_cache": False}
+                  "no_prefix_caching": False, "no_ngram_cache": False, "max_request_bytes": DEFAULT_MAX_REQUEST_BYTES}
 
 
 def default(name: str) -> str:
@@ -40,6 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize")
     server.add_argument("--max-queue-len", type=int_at_least(0),
                         help="requests that may wait beyond --max-num-seqs; more get HTTP 503" + default("max_queue_len"))
+    server.add_argument("--max-request-bytes", type=int_at_least(1),
+                        help="largest request body accepted; larger ones get HTTP 413" + default("max_request_bytes"))
     # a concrete default: it replaces the top-level `specserve --log-level` (a server logs its start-up at info)
     server.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                         default=SERVE_DEFAULTS["log_level"], type=str.lower, help="logging level" + default("log_level"))

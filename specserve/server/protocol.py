@@ -1,33 +1,29 @@
 """OpenAI-compatible request and response bodies. The speculative fields sit at the top level of a request,
 where the OpenAI SDK's `extra_body` puts them. Unknown fields are accepted and ignored, except those
-we cannot honour (see UNSUPPORTED), which get a 400 rather than a silently different answer."""
+we cannot honour (see UNSUPPORTED), which get a 400 rather than a silently different answer.
+
+Validation is strict (JSON types as OpenAI documents them), except that an integral float (5.0) is
+taken where an integer is expected, as OpenAI and vLLM do."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
 from specserve.engine.llm_engine import StepOutput
 from specserve.engine.sequence import Sequence
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import (
+    MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
+)
+from specserve.server.errors import APIError
 
-
-class APIError(Exception):
-    """An error answered with OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type or ERROR_TYPES.get(status, "server_error")
-
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               500: "internal_server_error", 503: "service_unavailable_error"}
 
 # fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -48,7 +44,37 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
     "tool_choice": lambda v: v in (None, "none"),
+    "tools": lambda v: not v,             # until tool calls exist: a 400, not a plain-text answer
+    "functions": lambda v: not v,
 }
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")    # what JSON's "\ud800" escape gives: text with no UTF-8 form
+
+
+def check_text(text: str, param: str) -> str:
+    """Text about to be tokenized; a lone surrogate (which the tokenizer cannot take) is the request's error."""
+    if LONE_SURROGATE.search(text):
+        raise APIError(400, f"{param} holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode",
+                       param=param)
+    return text
+
+
+def integral(value: Any) -> Any:
+    """An integral float as the int it names (5.0 -> 5); anything else unchanged, for strict int validation."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integral_ids(values: list[float]) -> list[int]:
+    """Token ids sent as floats (1.0), checked and converted in one vectorised pass."""
+    a = np.asarray(values, dtype=np.float64)
+    if not (np.isfinite(a).all() and (a == np.rint(a)).all() and (np.abs(a) < 2.0 ** 63).all()):
+        raise ValueError("token ids must be integers")
+    return a.astype(np.int64).tolist()
+
+
+Int = Annotated[int, BeforeValidator(integral)]
+# a list of ints validates in pydantic's own code; only a list holding floats takes the second form
+TokenIds = list[int] | Annotated[list[float], AfterValidator(integral_ids)]
 
 
 class OpenAIRequest(BaseModel):
@@ -80,23 +106,42 @@ class SamplingDefaults:
 class GenerationRequest(OpenAIRequest):
     """Fields shared by chat and text completions."""
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    top_k: Int | None = Field(None, ge=-1)
+    seed: Int | None = None               # any integer: the sampler takes it modulo 2**64
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # speculative decoding
-    num_assistant_tokens: int | None = Field(None, ge=0, le=MAX_NUM_ASSISTANT_TOKENS)
-    prompt_lookup_min: int | None = Field(None, ge=1)
-    prompt_lookup_max: int | None = Field(None, ge=1)
-    max_ngram_size: int | None = Field(None, ge=1)        # transformers' name for prompt_lookup_max
-    branching_factor: int | None = Field(None, ge=1)
-    tree_depth: int | None = Field(None, ge=0)
+    num_assistant_tokens: Int | None = Field(None, ge=0, le=MAX_NUM_ASSISTANT_TOKENS)
+    prompt_lookup_min: Int | None = Field(None, ge=1)
+    prompt_lookup_max: Int | None = Field(None, ge=1)
+    max_ngram_size: Int | None = Field(None, ge=1)        # transformers' name for prompt_lookup_max
+    branching_factor: Int | None = Field(None, ge=1)
+    tree_depth: Int | None = Field(None, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if any(LONE_SURROGATE.search(s) for s in stops):
+            raise ValueError("a stop string holds a lone UTF-16 surrogate, which is not valid Unicode")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def check_stop_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(ids)}")
+        return ids
 
     def check_supported(self) -> None:
         for name, harmless in UNSUPPORTED.items():
@@ -149,14 +194,34 @@ def first_set(*values):
     return next((v for v in values if v is not None), None)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(OpenAIRequest):
+    """One message, in the shapes OpenAI accepts: content required, except in an assistant message
+    that carries tool_calls; a tool message answers a call by its tool_call_id."""
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def check_shape(self) -> ChatMessage:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; a message's role is one of {', '.join(ROLES)}")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs `content` (null only in an assistant message with tool_calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the `tool_call_id` of the call it answers")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} ones")
+        return self
 
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -166,7 +231,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -191,7 +256,7 @@ class TokenizeRequest(OpenAIRequest):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -249,7 +314,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]                 # {"role": "assistant", "content": ...} first, then {"content": ...}
+    delta: dict[str, str]                 # {"role": "assistant", "content": ""} first, then {"content": ...}
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: None = None
@@ -264,13 +329,17 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
     @classmethod
-    def of(cls, request_id: str, model: str, out: StepOutput | None, first: bool, usage: Usage | None = None):
+    def of(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None):
         """The chunk of one engine step's output, or (out None) the closing usage chunk."""
         choices = []
         if out is not None:
-            delta = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
-            choices = [ChatStreamChoice(delta=delta, **finish_fields(out))]
+            choices = [ChatStreamChoice(delta={"content": out.new_text}, **finish_fields(out))]
         return cls(id=request_id, model=model, choices=choices, usage=usage)
+
+    @classmethod
+    def role(cls, request_id: str, model: str) -> ChatCompletionChunk:
+        """The first chunk of a chat stream, before any text, as OpenAI sends it."""
+        return cls(id=request_id, model=model, choices=[ChatStreamChoice(delta={"role": "assistant", "content": ""})])
 
 
 class CompletionChoice(BaseModel):
@@ -296,7 +365,7 @@ class CompletionResponse(BaseModel):
         return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
 
     @classmethod
-    def chunk(cls, request_id: str, model: str, out: StepOutput | None, first: bool, usage: Usage | None = None):
+    def chunk(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None):
         choices = [CompletionChoice(text=out.new_text, **finish_fields(out))] if out is not None else []
         return cls(id=request_id, model=model, choices=choices, usage=usage)
 

@@ -9,18 +9,14 @@ from typing import TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from specserve.engine.async_engine import EngineDeadError, RequestStream
+from specserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from specserve.engine.llm_engine import StepOutput
 from specserve.server.protocol import APIError, Usage
 
 T = TypeVar("T")
 
-# (step output or None for the closing usage chunk, is it the first chunk, usage) -> chunk
-MakeChunk = Callable[[StepOutput | None, bool, Usage | None], BaseModel]
-
-
-def error_json(e: APIError) -> dict:
-    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
+# (step output or None for the closing usage chunk, usage) -> chunk
+MakeChunk = Callable[[StepOutput | None, Usage | None], BaseModel]
 
 
 def sse(data: BaseModel | dict | str) -> str:
@@ -31,17 +27,21 @@ def sse(data: BaseModel | dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def sse_events(stream: RequestStream, make_chunk: MakeChunk, include_usage: bool) -> AsyncIterator[str]:
-    """One frame per engine step (all the tokens a verify step accepted), the usage frame if asked, [DONE]."""
+async def sse_events(stream: RequestStream, make_chunk: MakeChunk, include_usage: bool,
+                     opening: BaseModel | None = None) -> AsyncIterator[str]:
+    """The opening frame (a chat stream's role), one frame per engine step (all the tokens a verify step
+    accepted), the usage frame if asked, [DONE]; an error frame (OpenAI's error JSON) if the request fails."""
     try:
+        if opening is not None:
+            yield sse(opening)
         last = None
         async for out in stream:
-            yield sse(make_chunk(out, last is None, None))
+            yield sse(make_chunk(out, None))
             last = out
         if include_usage and last is not None:
-            yield sse(make_chunk(None, False, Usage.from_seq(last.seq)))
-    except EngineDeadError as e:
-        yield sse(error_json(APIError(500, str(e))))
+            yield sse(make_chunk(None, Usage.from_seq(last.seq)))
+    except (EngineDeadError, RequestFailedError) as e:
+        yield sse(APIError(500, str(e)).body())
     finally:
         stream.close()                  # aborts the request when the client disconnected mid-stream
     yield sse("[DONE]")

@@ -40,6 +40,10 @@ CHECK_PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is Rome.",
 ]
 NEAR_ZERO_ACCEPTANCE = 0.1
+# nodes a request's draft tree may grow in one step (branching + branching^2 * (depth - 1)): the head
+# runs branching * (depth - 1) of them and ranks them all, so this bounds the drafting time one request
+# adds to a step; EAGLE-2's default tree (top-k 10, depth 6) grows 510
+MAX_TREE_NODES = 1024
 
 
 @dataclass(slots=True)
@@ -118,6 +122,17 @@ class Eagle3Proposer(Proposer):
         written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"
         logger.info("EAGLE3 head %s reads the target's hidden states entering layers %s (%s, target of %d layers)",
                     path, list(self.layers), written, target.num_hidden_layers)
+
+    def check(self, params) -> None:
+        if params.tree_depth <= 0 or params.num_assistant_tokens <= 0:
+            return
+        b, vocab = params.branching_factor, self.config.draft_vocab_size
+        if b > vocab:
+            raise ValueError(f"branching_factor={b} is larger than the EAGLE3 head's draft vocabulary ({vocab} tokens)")
+        depth = min(params.tree_depth, params.num_assistant_tokens)        # the depth propose() grows
+        if (nodes := b + b * b * (depth - 1)) > MAX_TREE_NODES:
+            raise ValueError(f"a tree with branching_factor={b} and depth {depth} grows {nodes} nodes per step; "
+                             f"at most {MAX_TREE_NODES} are allowed (lower branching_factor or tree_depth)")
 
     def bind(self, engine) -> None:
         c = self.config.layer
@@ -234,7 +249,7 @@ class Eagle3Proposer(Proposer):
         level = 1
         while True:
             logp = torch.log_softmax(self.head.draft_logits(hidden).float(), dim=-1)                # [m, Vd]
-            width = max(trees[i].branching for i in owners)
+            width = min(max(trees[i].branching for i in owners), logp.shape[-1])
             top = logp.topk(width, dim=-1)
             tokens = self.head.target_ids(top.indices).tolist()
             values = top.values.tolist()

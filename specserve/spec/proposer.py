@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.engine.sequence import Sequence
+    from specserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -64,6 +65,10 @@ class Proposer(ABC):
 
     def bind(self, engine) -> None:
         """Called once the engine exists (its block size, KV budget and target model are known)."""
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError when a request's resolved settings ask more of this method than it can
+        serve; called when the request is admitted, so that no step fails on them."""
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
