@@ -1,9 +1,15 @@
-"""Plain decode tokens/s: specserve vs transformers' generate, same random Qwen3 checkpoint, batch 1,
-greedy, 128 new tokens, side by side in one run. Prints a table with the ratio.
+"""Plain decode tokens/s: specserve vs transformers' generate on the same weights, side by side in one run.
 
     python benchmarks/bench_decode.py [--sizes small,large] [--dtypes float32,bfloat16] [--repeats 3]
+    python benchmarks/bench_decode.py --model-dir /tmp/smollm2-hf --sizes '' [--quantizations none,int8]
 
-Both engines run on the same threads (--threads, default: all cores) and in the same dtype.
+Random Qwen3 checkpoints (--sizes): batch 1, greedy, 128 new tokens after one code prompt. A real model
+(--model-dir, e.g. the default SmolLM2-135M-Instruct converted to a bf16 HF folder): 12 chat prompts (code and
+prose, its chat template applied), 128 new tokens each, greedy, EOS ignored, batch 1; transformers in bf16,
+specserve in bf16 and with each --quantizations; then, in the same run, the machine's read bandwidth (the
+ceiling it sets on tokens/s), the cost of a 6-token verify step against a 1-token step, and decode speed at a
+4,000-token context against a 200-token one. Both engines run on the same threads (--threads, default all).
+Runs are interleaved so that a change in the machine's load hits every engine alike.
 """
 from __future__ import annotations
 
@@ -22,43 +28,62 @@ from conftest import make_checkpoint  # noqa: E402
 SIZES = {"small": dict(hidden=256, layers=4, vocab_size=8192),
          "large": dict(hidden=768, layers=12, vocab_size=32000)}
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+CHAT_PROMPTS = [
+    "Write a Python function that reverses a singly linked list, with a short docstring.",
+    "Explain what a Python decorator is and show a small example that times a function.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Implement binary search in JavaScript and explain its time complexity.",
+    "Write a bash script that counts the lines of every .py file in a directory tree.",
+    "Show how to read a CSV file with pandas and compute the mean of one column.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five tips for getting better sleep, with one sentence on why each works.",
+    "Summarize the causes of the French Revolution in one paragraph.",
+    "Write a polite email asking a colleague to review my pull request by Friday.",
+    "Describe the water cycle and the role the sun plays in it.",
+]
 
 
-def transformers_runner(model_dir: Path, ids: list[int], new_tokens: int, dtype: torch.dtype):
-    """A function that times one greedy generate of new_tokens tokens and returns tokens/s."""
+def transformers_runner(model_dir: Path, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype):
+    """A function that times one greedy generate of new_tokens tokens per prompt and returns tokens/s."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    x = torch.tensor([ids])
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     @torch.inference_mode()
     def run() -> float:
         start = time.perf_counter()
-        model.generate(x, **kw)
-        return new_tokens / (time.perf_counter() - start)
+        for ids in prompts:
+            model.generate(torch.tensor([ids]), **kw)
+        return len(prompts) * new_tokens / (time.perf_counter() - start)
     with torch.inference_mode():
-        model.generate(x, max_new_tokens=8, do_sample=False)          # warm-up
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)          # warm-up
     return run
 
 
-def specserve_runner(model_dir: Path, ids: list[int], new_tokens: int, dtype: str):
+def specserve_llm(model_dir: Path, dtype: str, quantization: str | None = None):
     from specserve.llm import LLM
+    return LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.5,
+               num_threads=torch.get_num_threads(), enable_prefix_caching=False, quantization=quantization)
+
+
+def specserve_runner(llm, prompts: list[list[int]], new_tokens: int):
     from specserve.sampling_params import SamplingParams
-    llm = LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.25,
-              num_threads=torch.get_num_threads(), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 
     def run() -> float:
-        out = llm.generate([ids], params)[0]
-        # whole-request rate, prefill included, like the transformers timing above
-        return new_tokens / (out.ttft_s + out.decode_s)
-    llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))   # warm-up
+        elapsed = 0.0
+        for ids in prompts:                   # batch 1: one request at a time
+            out = llm.generate([ids], params)[0]
+            elapsed += out.ttft_s + out.decode_s     # whole-request time, prefill included, like transformers'
+        return len(prompts) * new_tokens / elapsed
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8))   # warm-up
     return run
 
 
 def profile_specserve(run, new_tokens: int) -> None:
-    """Where a decode step's time goes, in one run of specserve_runner's engine: torch's operator profile
-    plus the Python share around it."""
+    """Where a decode step's time goes, in one run of a specserve runner: torch's operator profile plus the
+    Python share around it."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -66,47 +91,164 @@ def profile_specserve(run, new_tokens: int) -> None:
         wall = time.perf_counter() - start
     events = prof.key_averages()
     op_total = sum(e.self_cpu_time_total for e in events) / 1e6
-    print(f"\nprofile of {new_tokens} decode steps: wall {wall * 1e3:.0f} ms (profiled), "
-          f"torch operators {op_total * 1e3:.0f} ms, the rest (Python, scheduling, sampling glue) "
-          f"{(wall - op_total) * 1e3:.0f} ms")
+    print(f"\nprofile: wall {wall * 1e3:.0f} ms (profiled), torch operators {op_total * 1e3:.0f} ms, the rest "
+          f"(Python, scheduling, sampling glue) {(wall - op_total) * 1e3:.0f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="small,large")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="also print where specserve's decode time goes")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for both engines")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    dtypes = args.dtypes.split(",")
+def read_bandwidth() -> float:
+    """GB/s of summing a 1 GiB tensor (far past any cache), best of 5, on the benchmark's threads."""
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: every parameter and kernel buffer bar the embedding table (one
+    row of it is read), the tied head counted once through its own copy."""
+    from specserve.layers.linear import InferenceLinear
+    total = 0
+    for m in model.modules():
+        if isinstance(m, InferenceLinear):
+            kernel = m.by_bucket[0]
+            tensors = [v for v in getattr(kernel, "keywords", {}).values() if isinstance(v, torch.Tensor)]
+            tensors += [c.cell_contents for c in (getattr(kernel, "__closure__", None) or ())
+                        if isinstance(c.cell_contents, torch.Tensor)]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    for name, p in model.named_parameters():
+        if "embed_tokens" not in name and ("norm" in name):
+            total += p.numel() * p.element_size()
+    return total
+
+
+def step_costs(llm, context: int = 200, repeats: int = 30) -> tuple[float, float]:
+    """Median seconds of a 1-token decode step and of a 6-token verify step (forward plus logits of every new
+    row, as the engine's verification computes them), interleaved, at `context` tokens of cache."""
+    from specserve.engine.model_runner import ForwardItem
+    runner, model = llm.engine.runner, llm.engine.model
+    table = list(range(-(-(context + 8) // runner.block_size)))
+    ids = [(i * 7919) % 1000 + 100 for i in range(context + 6)]
+    one, six = [], []
+    with torch.inference_mode():
+        runner.forward([ForwardItem(table, 0, ids[:context])])
+        for _ in range(repeats + 2):
+            for n, out in ((1, one), (6, six)):
+                start = time.perf_counter()
+                hidden, _ = runner.forward([ForwardItem(table, context, ids[context:context + n])])
+                model.compute_logits(hidden).argmax(-1)
+                out.append(time.perf_counter() - start)
+    return statistics.median(one[2:]), statistics.median(six[2:])
+
+
+def context_speed(llm, text_ids: list[int], contexts: tuple[int, ...], new_tokens: int = 48) -> list[float]:
+    """Decode tokens/s (prefill excluded) after each context length, the lengths interleaved over 2 runs."""
+    from specserve.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    best = [0.0] * len(contexts)
+    for _ in range(2):
+        for i, n in enumerate(contexts):
+            best[i] = max(best[i], llm.generate([text_ids[:n]], params)[0].decode_tokens_per_second)
+    return best
+
+
+def real_model(args) -> None:
+    from specserve.bench.datasets import default_sonnet_path
+    from specserve.tokenizer import Tokenizer
+    model_dir = Path(args.model_dir)
+    tok = Tokenizer.from_pretrained(model_dir)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+               for p in CHAT_PROMPTS[:args.prompts]]
+    bandwidth = read_bandwidth()
+    runs = {"transformers bf16": transformers_runner(model_dir, prompts, args.new_tokens, torch.bfloat16)}
+    llms = {}
+    for q in args.quantizations.split(","):
+        name = "specserve bf16" + ("" if q == "none" else f" {q}")
+        llms[name] = specserve_llm(model_dir, "bfloat16", None if q == "none" else q)
+        runs[name] = specserve_runner(llms[name], prompts, args.new_tokens)
+    rates = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            rates[name].append(run())
+    hf = rates["transformers bf16"]
+    print(f"\n{model_dir.name}: {len(prompts)} chat prompts, {args.new_tokens} new tokens each, greedy, EOS ignored, "
+          f"batch 1, {torch.get_num_threads()} thread(s), {args.repeats} interleaved runs; CPU: "
+          f"{cpu_label()}; read bandwidth {bandwidth:.1f} GB/s")
+    print("| engine | tok/s (best) | median ratio vs transformers bf16 | weights read/token | bandwidth ceiling |")
+    print("|---|---|---|---|---|")
+    for name, r in rates.items():
+        if name in llms:
+            per_token = weight_bytes_per_token(llms[name].engine.model)
+            extra = f"{per_token / 1e6:.0f} MB | {bandwidth * 1e9 / per_token:.0f} tok/s"
+        else:
+            extra = "- | -"
+        ratio = statistics.median(o / h for o, h in zip(r, hf))
+        print(f"| {name} | {max(r):.1f} | {ratio:.2f}x | {extra} |")
+    text = tok.encode(default_sonnet_path().read_text() * 2, add_special_tokens=False)
+    print("\n| engine | 1-token step ms | 6-token verify step ms | verify / step | decode tok/s at 200 | at 4000 | 4000 / 200 |")
+    print("|---|---|---|---|---|---|---|")
+    for name, llm in llms.items():
+        one, six = step_costs(llm)
+        short, long = context_speed(llm, text, (200, 4000))
+        print(f"| {name} | {one * 1e3:.2f} | {six * 1e3:.2f} | {six / one:.2f}x | {short:.1f} | {long:.1f} | "
+              f"{long / short:.2f}x |")
+    if args.profile:
+        profile_specserve(runs[next(iter(llms))], args.new_tokens)
+
+
+def cpu_label() -> str:
+    from specserve.layers.linear import bf16_packing_supported, cpu_name
+    return (f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+            f"{'yes' if bf16_packing_supported() else 'no'}")
+
+
+def random_models(args) -> None:
     rows = []
-    for name in args.sizes.split(","):
+    for name in filter(None, args.sizes.split(",")):
         with tempfile.TemporaryDirectory() as d:
             model_dir = make_checkpoint(Path(d), "qwen3", **SIZES[name])
             n_params = sum(p.numel() for p in __import__("safetensors.torch").torch.load_file(
                 str(model_dir / "model.safetensors")).values())
             from specserve.tokenizer import Tokenizer
             ids = Tokenizer.from_pretrained(model_dir).encode(PROMPT)
-            for dtype in dtypes:
+            for dtype in args.dtypes.split(","):
                 tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-                hf_run = transformers_runner(model_dir, ids, args.new_tokens, tdtype)
-                our_run = specserve_runner(model_dir, ids, args.new_tokens, dtype)
-                # interleaved, so that a change in the machine's load hits both engines alike
+                hf_run = transformers_runner(model_dir, [ids], args.new_tokens, tdtype)
+                our_run = specserve_runner(specserve_llm(model_dir, dtype), [ids], args.new_tokens)
                 pairs = [(hf_run(), our_run()) for _ in range(args.repeats)]
                 hf, ours = max(p[0] for p in pairs), max(p[1] for p in pairs)
                 rows.append((name, n_params / 1e6, dtype, hf, ours, statistics.median(o / h for h, o in pairs)))
                 if args.profile:
                     profile_specserve(our_run, args.new_tokens)
+    if not rows:
+        return
     print(f"\nplain greedy decode, batch 1, {args.new_tokens} new tokens, {args.threads} thread(s), {args.repeats} "
-          f"interleaved runs each: best tok/s, their ratio, and the median of the runs' ratios")
+          f"interleaved runs each: best tok/s, their ratio, and the median of the runs' ratios; CPU: {cpu_label()}")
     print("| model | params (M) | dtype | transformers tok/s | specserve tok/s | ratio of best | median ratio |")
     print("|---|---|---|---|---|---|---|")
     for name, n, dtype, hf, ours, median in rows:
         print(f"| {name} | {n:.1f} | {dtype} | {hf:.0f} | {ours:.0f} | {ours / hf:.2f}x | {median:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,large", help="random Qwen3 models; '' for none")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    ap.add_argument("--model-dir", help="a real HF model folder with a chat template (e.g. SmolLM2 in bf16)")
+    ap.add_argument("--quantizations", default="none,int8", help="specserve variants on --model-dir")
+    ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used on --model-dir")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also print where specserve's decode time goes")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for both engines")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    random_models(args)
+    if args.model_dir:
+        real_model(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""Inference-prepared models (packed linears, frozen layer weights) against F.linear and transformers."""
+"""Inference-prepared models (kernels chosen per shape and row bucket, frozen layer weights) against F.linear
+and transformers."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,9 +10,9 @@ from torch import nn
 
 from specserve.engine.model_runner import ForwardItem, ModelRunner
 from specserve.layers import linear
-from specserve.layers.linear import PackedLinear, pack_linears
+from specserve.layers.linear import InferenceLinear, inference_linears, make_kernel, pack_linears
+from specserve.layers.quantization import dequantize_int8, quantize_int8
 from specserve.llm import LLM
-from specserve.models import llama
 from specserve.models.llama import rms_norm, rms_norm_fused
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
@@ -17,6 +20,14 @@ from cpu_features import without_bf16_onednn
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not linear.can_pack(CPU, torch.float32), reason="no oneDNN in this torch build")
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path, monkeypatch):
+    """Each test chooses its kernels afresh, into its own cache file."""
+    path = tmp_path / "kernels.json"
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(path))
+    return path
 
 
 @pytest.fixture(params=["qwen3", "llama"])
@@ -32,49 +43,97 @@ def bf16_cpu(request, monkeypatch):
     return request.param
 
 
+def force(monkeypatch, kernel: str) -> None:
+    """Every bucket takes `kernel` where it is a candidate (the timing says it is fastest)."""
+    monkeypatch.setattr(linear, "time_kernels", lambda kernels, x: {n: float(n != kernel) for n in kernels})
+
+
 def test_without_bf16_onednn_the_check_and_the_error_are_those_of_an_avx2_cpu(monkeypatch):
     without_bf16_onednn(monkeypatch)
     assert not linear.bf16_packing_supported() and not linear.can_pack(CPU, torch.bfloat16)
     assert linear.can_pack(CPU, torch.float32)
+    assert linear.candidates(CPU, torch.bfloat16, None) == ["linear"]
     with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):
-        PackedLinear(torch.randn(8, 8).bfloat16(), None)
+        make_kernel("packed", torch.randn(8, 8).bfloat16(), None)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_packed_linear_is_the_same_product(rows, bf16_cpu):
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_every_candidate_kernel_is_the_same_product(rows, bf16_cpu):
     torch.manual_seed(0)
     w, b = torch.randn(96, 40), torch.randn(96)
     x = torch.randn(rows, 40)
     with torch.inference_mode():
-        assert torch.allclose(PackedLinear(w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        for name in linear.candidates(CPU, torch.float32, None):
+            assert torch.allclose(make_kernel(name, w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         w16, x16 = w.bfloat16(), x.bfloat16()
-        plain = nn.Linear(40, 96, bias=False).bfloat16()
-        plain.weight.data = w16
-        inference = pack_linears(nn.Sequential(plain), CPU, torch.bfloat16)[0]      # what this CPU runs bf16 on
-        assert isinstance(inference, PackedLinear) == linear.bf16_packing_supported()
-        assert torch.equal(inference(x16), F.linear(x16, w16))                      # bf16: bit for bit
+        names = linear.candidates(CPU, torch.bfloat16, None)
+        assert ("packed" in names) == linear.bf16_packing_supported()
+        for name in names:                                                           # bf16: bit for bit
+            assert torch.equal(make_kernel(name, w16, None)(x16), F.linear(x16, w16))
 
 
-def test_pack_linears_keeps_plain_copies_of_small_fp32_weights(monkeypatch):
-    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 4 * 64 * 64)
-    def tree(dtype):
-        return nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 128))).to(dtype)
-    fp32 = pack_linears(tree(torch.float32), CPU, torch.float32)
-    mods = (fp32[0], fp32[1][0], fp32[1][1])
-    assert all(isinstance(m, PackedLinear) for m in mods)
-    assert [m.weight is not None for m in mods] == [False, True, False]
-    bf16 = pack_linears(tree(torch.bfloat16), CPU, torch.bfloat16)
-    if linear.bf16_packing_supported():
-        assert all(isinstance(m, PackedLinear) and m.weight is None for m in (bf16[0], bf16[1][0], bf16[1][1]))
-    else:                                                       # AVX2: bf16 products stay on F.linear
-        assert all(isinstance(m, nn.Linear) for m in (bf16[0], bf16[1][0], bf16[1][1]))
-    meta = pack_linears(tree(torch.float32), torch.device("meta"), torch.float32)
-    assert isinstance(meta[0], nn.Linear)                                          # only CPU packs
-    small = fp32[1][0]
-    with torch.inference_mode():           # both paths of a small weight: plain under PLAIN_MAX_ROWS rows
-        for rows in (1, linear.PLAIN_MAX_ROWS + 1):
-            x = torch.randn(rows, 8)
-            assert torch.allclose(small(x), F.linear(x, small.weight, small.bias), rtol=1e-5, atol=1e-6)
+def test_kernels_are_chosen_per_bucket_from_the_timings_and_cached(kernel_cache, monkeypatch):
+    torch.manual_seed(0)
+    layers = [(torch.randn(64, 32), None) for _ in range(3)] + [(torch.randn(16, 32), torch.randn(16))]
+    calls = []
+
+    def fake_timing(kernels, x):              # "linear" fastest at one row, "packed" from two rows on
+        calls.append(x.shape[0])
+        return {n: (n == "packed") == (x.shape[0] == 1) for n in kernels}
+    monkeypatch.setattr(linear, "time_kernels", fake_timing)
+    out = inference_linears(layers, CPU, torch.float32)
+    assert calls == list(linear.BUCKET_ROWS) * 2                                    # two shapes, four buckets
+    assert all(m.choice == ["linear", "packed", "packed", "packed"] for m in out)
+    entries = json.loads(kernel_cache.read_text())
+    assert sorted(e["choice"][0] for e in entries.values()) == ["linear", "linear"]
+    assert any("64x32 x3" in k for k in entries) and any("16x32 bias x1" in k for k in entries)
+    monkeypatch.setattr(linear, "time_kernels", lambda kernels, x: pytest.fail("timed again"))
+    again = inference_linears(layers, CPU, torch.float32)                          # the cache answers
+    assert [m.choice for m in again] == [m.choice for m in out]
+    with torch.inference_mode():
+        for (w, b), m in zip(layers, again):
+            for rows in (1, 5, 20, 50):
+                x = torch.randn(rows, 32)
+                assert torch.allclose(m(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_is_not_the_same_product_is_never_chosen(monkeypatch):
+    make = linear.make_kernel
+
+    def broken_packed(name, weight, bias):
+        k = make(name, weight, bias)
+        return (lambda x: k(x) + 1) if name == "packed" else k
+    monkeypatch.setattr(linear, "make_kernel", broken_packed)
+    force(monkeypatch, "packed")
+    [m] = inference_linears([(torch.randn(64, 32).bfloat16(), None)], CPU, torch.bfloat16)
+    assert m.choice == ["linear"] * 4
+
+
+def test_int8_weights_are_close_and_row_invariant():
+    torch.manual_seed(0)
+    w = torch.randn(96, 64) * 0.05
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scales.dtype == torch.bfloat16
+    assert (dequantize_int8(q, scales) - w).abs().max() <= 0.5 * scales.float().max() * 1.01
+    kernel = make_kernel("int8", w.bfloat16(), None)
+    x = torch.randn(17, 64).bfloat16()
+    with torch.inference_mode():
+        y = kernel(x)
+        assert torch.equal(torch.cat([kernel(x[i:i + 1]) for i in range(17)]), y)     # verify rows == decode rows
+        ref = F.linear(x.float(), dequantize_int8(q, scales))
+        assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_pack_linears_swaps_every_linear_and_the_extra_head():
+    tree = nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 128)))
+    head = torch.randn(40, 64)
+    packed = pack_linears(tree, CPU, torch.float32, extra={"head": (head, None)})
+    assert all(isinstance(m, InferenceLinear) for m in (packed[0], packed[1][0], packed[1][1], packed.head))
+    meta = pack_linears(nn.Sequential(nn.Linear(8, 8)), torch.device("meta"), torch.float32)
+    assert isinstance(meta[0], nn.Linear)                                          # only CPU gets kernels
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.allclose(packed.head(x), x @ head.T, rtol=1e-5, atol=1e-5)
 
 
 def test_rms_norm_rounds_like_transformers():
@@ -103,11 +162,13 @@ def run_logits(model, dtype, ids):
     return model.compute_logits(torch.cat(rows)).float()
 
 
-def test_packed_fp32_model_matches_transformers(model_dir, monkeypatch):
-    monkeypatch.setattr(linear, "PACK_MIN_BYTES", 0)                 # pack every linear of the tiny model
+@pytest.mark.parametrize("kernel", ["linear", "packed"])
+def test_fp32_model_matches_transformers(model_dir, monkeypatch, kernel):
+    force(monkeypatch, kernel)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model = load_model(model_dir).pack(CPU, torch.float32)
-    assert isinstance(model.lm_head, PackedLinear) and all(layer.frozen is not None for layer in model.model.layers)
+    assert isinstance(model.lm_head, InferenceLinear) and all(layer.frozen is not None for layer in model.model.layers)
+    assert model.lm_head.choice == [kernel] * 4
     ids = torch.randint(0, 400, (30,)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
@@ -129,25 +190,37 @@ def test_bf16_model_matches_transformers_bf16(model_dir, bf16_cpu):
     assert (got - exact).abs().max() <= (expected - exact).abs().max() + scale / 128   # no further from fp32
 
 
-@pytest.mark.parametrize("min_bytes", [0, 1 << 40])      # everything packed only / small copies kept too
-def test_packed_engine_greedy_equals_unpacked(qwen3_dir, monkeypatch, min_bytes):
+@pytest.mark.parametrize("kernel", ["linear", "packed", None])    # None: as timed on this machine
+def test_engine_greedy_equals_unprepared(qwen3_dir, monkeypatch, kernel):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def fibonacci(n):", "To be, or not to be"]
     with monkeypatch.context() as m:
-        m.setattr(linear, "can_pack", lambda device, dtype: False)
-        m.setattr(llama, "can_pack", lambda device, dtype: False)
+        m.setattr(linear, "pack_linears", lambda module, *args, **kw: module)
+        m.setattr("specserve.models.llama.pack_linears", lambda module, *args, **kw: module)
         unpacked = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01)
-        assert not isinstance(unpacked.engine.model.lm_head, PackedLinear)
+        assert unpacked.engine.model.lm_head is None
         plain = [o.outputs[0].token_ids for o in unpacked.generate(prompts, params)]
-    monkeypatch.setattr(linear, "PACK_MIN_BYTES", min_bytes)
+    if kernel is not None:
+        force(monkeypatch, kernel)
     for method in ("none", "ngram"):                      # n-gram: verify steps of several rows
         llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method=method)
-        assert isinstance(llm.engine.model.lm_head, PackedLinear)
+        assert isinstance(llm.engine.model.lm_head, InferenceLinear)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 
 
+def test_int8_model_logits_close_to_bf16(model_dir):
+    """Weight-only int8 (one scale per output row): the logits stay within a few percent of the bf16 model's."""
+    ids = torch.randint(0, 400, (30,)).tolist()
+    bf16 = run_logits(load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16), torch.bfloat16, ids)
+    int8 = load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16, "int8")
+    assert all(m.choice == ["int8"] * 4 for m in int8.modules() if isinstance(m, InferenceLinear))
+    got = run_logits(int8, torch.bfloat16, ids)
+    assert (got - bf16).abs().max() <= 0.05 * bf16.abs().max()
+    assert (got - bf16).abs().max() > 0                                               # it is quantized
+
+
 def test_bf16_engine_without_bf16_onednn_runs_and_speculation_is_exact(qwen3_dir, monkeypatch):
-    """An AVX2-only CPU: an explicit bf16 engine takes F.linear for its bf16 products (nothing packed in bf16,
+    """An AVX2-only CPU: an explicit bf16 engine takes F.linear for its bf16 products (no oneDNN bf16 kernel,
     nothing raising), greedy n-gram decoding equals plain, and auto picks fp32 there."""
     from specserve.engine.llm_engine import resolve_dtype
     from specserve.models.config import ModelConfig
@@ -157,8 +230,24 @@ def test_bf16_engine_without_bf16_onednn_runs_and_speculation_is_exact(qwen3_dir
     outs = []
     for method in ("none", "ngram"):
         llm = LLM(str(qwen3_dir), dtype="bfloat16", kv_cache_memory_gb=0.01, speculative_method=method)
-        assert not any(isinstance(m, PackedLinear) for m in llm.engine.model.modules())
+        lins = [m for m in llm.engine.model.modules() if isinstance(m, InferenceLinear)]
+        assert lins and all(m.choice == ["linear"] * 4 for m in lins)             # no bf16 oneDNN kernel
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1] and all(len(t) == 24 for t in outs[0])
     assert resolve_dtype("auto", ModelConfig.from_pretrained(qwen3_dir), CPU) == torch.float32 \
         or ModelConfig.from_pretrained(qwen3_dir).torch_dtype != "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_engine_speculation_equals_int8_plain(qwen3_dir, dtype):
+    """--quantization int8: greedy n-gram decoding (verify steps of several rows) gives the same tokens as the
+    same int8 model decoding plainly, and not those of the unquantized model on every prompt by construction."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "To be, or not to be", "The quick brown fox"]
+    outs = {}
+    for method in ("none", "ngram"):
+        llm = LLM(str(qwen3_dir), dtype=dtype, kv_cache_memory_gb=0.01, speculative_method=method, quantization="int8")
+        assert isinstance(llm.engine.model.lm_head, InferenceLinear) and llm.engine.model.lm_head.choice[0] == "int8"
+        outs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["none"] == outs["ngram"]
+    assert all(len(t) == 24 for t in outs["none"])

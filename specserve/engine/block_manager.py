@@ -49,10 +49,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- allocation -------------------------------------------------------------------------
-    def _take_free_block(self) -> int:
+    def _take_free_block(self, prefer: int | None = None) -> int:
+        """The oldest free block, or `prefer` if it is free: a sequence whose blocks follow each other holds
+        its K/V in one run of slots, which attention reads in place instead of gathering it every step."""
         if not self.free_block_ids:
             raise NoFreeBlocks("KV cache is out of blocks")
-        block_id = self.free_block_ids.popleft()
+        if prefer is not None and prefer < len(self.blocks) and self.blocks[prefer].ref_count == 0:
+            self.free_block_ids.remove(prefer)
+            block_id = prefer
+        else:
+            block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
         if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
@@ -104,7 +110,8 @@ class BlockManager:
         if need > self.num_free_blocks:
             raise NoFreeBlocks(f"need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
-            seq.block_table.append(self._take_free_block())
+            after = seq.block_table[-1] + 1 if seq.block_table else None
+            seq.block_table.append(self._take_free_block(after))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks past num_tokens slots (rejected draft tokens never need them again)."""

@@ -85,7 +85,7 @@ class LLMEngine:
         self.model = load_model(config.model, self.dtype, self.device, self.model_config)
         if self.device.type == "cpu":
             set_cpu_threads(config.num_threads, self.model)
-        self.model.pack(self.device, self.dtype)
+        self.model.pack(self.device, self.dtype, config.quantization)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.spec_defaults = SpecDefaults.from_generation_config(config.model)

@@ -52,6 +52,12 @@ class ModelRunner:
         table = np.asarray(block_table, dtype=np.int64)
         return torch.from_numpy(table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.device)
 
+    def contiguous_start(self, block_table: list[int], num_slots: int) -> int | None:
+        """The first slot if the first num_slots slots of the table are one run (its blocks follow each other)."""
+        n = -(-num_slots // self.block_size)
+        first = block_table[0]
+        return first * self.block_size if block_table[:n] == list(range(first, first + n)) else None
+
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
         """Copy the K/V of cache indices src to dst (all layers), e.g. an accepted tree path."""
         s, d = self.slots_at(block_table, src), self.slots_at(block_table, dst)
@@ -101,6 +107,7 @@ class ModelRunner:
             query_index=query_index,
             output_index=output_index,
             kv_cache=self.kv_cache,
+            context_start=self.contiguous_start(items[0].block_table, T) if B == 1 else None,
         )
         return input_ids, positions_t, ctx
 

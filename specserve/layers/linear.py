@@ -1,24 +1,43 @@
-"""CPU inference linears: weights pre-packed once into oneDNN's blocked layout.
+"""CPU inference linears: each weight's product on the kernel measured fastest for its shape and row count.
 
-`F.linear` on CPU re-reads a plain row-major weight through a generic path that streams at about 17 GB/s
-here whatever the thread count, and in fp32 its cost grows with every row it multiplies. A weight packed
-for the kernel streams at 40-45 GB/s (2 threads, weights not in cache) and a verify step of k + 1 rows
-costs little more than one row (benchmarks/NOTES.md, "Plain decode"). The product is the same one (bf16:
-bit for bit; fp32: the same sums in another order). Packing is a module swap done by the engine after
-loading; training never sees a packed module.
+Which kernel wins depends on the CPU, the shape, the number of weights of that shape (do they stay in cache?)
+and the rows of the step (benchmarks/NOTES.md, "SmolLM2"): oneDNN over a weight packed once into its blocked
+layout streams a large weight fastest but costs ~10 us a call before reading a byte; MKL's plain F.linear wins
+on small cache-resident weights with few rows; oneDNN packs bf16 weights only on CPUs with native bf16
+conversions. So nothing here is a threshold: at load, `choose_kernels` times every candidate on the model's own
+weights of each shape (all of them in turn, so that cache effects are those of a real step) at one row count
+per bucket (1, 2-8, 9-32, more) and keeps the fastest per bucket. The choice is cached per machine in a JSON
+file (`kernel_cache_path`) keyed by CPU model, torch version, threads, dtype and shape.
 
-The packed kernel costs about 10 us per call before it reads a byte, where MKL's fp32 product of a small
-weight with a few rows takes 2-3 us: an fp32 weight under PACK_MIN_BYTES also keeps its plain copy, used
-below PLAIN_MAX_ROWS rows. bf16 always takes the packed kernel (the plain one was slower at every size).
+Candidates only ever compute the same product: in bf16 they must give the same bits as F.linear on a probe (so
+a verify step's rows are the rows plain decoding would produce), in fp32 the same sums to rounding; an int8
+weight has a single kernel. Packing is a module swap done by the engine after loading; training never sees it.
 """
 from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACK_MIN_BYTES = 1 << 20
-PLAIN_MAX_ROWS = 3
+from specserve.layers.quantization import int8_linear, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+BUCKET_ROWS = (1, 6, 24, 64)        # the rows timed for buckets 1, 2-8, 9-32 and more
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def bucket(rows: int) -> int:
+    return 0 if rows == 1 else 1 if rows <= 8 else 2 if rows <= 32 else 3
 
 
 def bf16_packing_supported() -> bool:
@@ -33,34 +52,169 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_packing_supported())
 
 
-def keeps_plain(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.numel() * weight.element_size() < PACK_MIN_BYTES
+def candidates(device: torch.device, dtype: torch.dtype, quantization: str | None) -> list[str]:
+    """The kernels this CPU offers for one weight, first the reference the others must agree with."""
+    if quantization == "int8":
+        return ["int8"]
+    return ["linear", "packed"] if can_pack(device, dtype) else ["linear"]
 
 
-class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Kernel:
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach()
+    if name == "linear":
+        return functools.partial(F.linear, weight=weight, bias=bias)
+    if name == "packed":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        pointwise = torch.ops.mkldnn._linear_pointwise
+        return lambda x: pointwise(x, packed, bias, "none", [], "")
+    if name == "int8":
+        q, scales = quantize_int8(weight)
+        return functools.partial(int8_linear, q=q, scales=scales, bias=bias)
+    raise ValueError(f"unknown kernel {name!r}")
+
+
+class InferenceLinear(nn.Module):
+    """One weight's product, on the kernel chosen for the step's row bucket."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: dict[str, Kernel], choice: list[str]):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.weight = weight.detach() if keeps_plain(weight) else None
-        self.bias = None if bias is None else bias.detach()
+        self.in_features, self.out_features = in_features, out_features
+        self.choice = choice                                    # kernel name per bucket
+        self.by_bucket = [kernels[name] for name in choice]     # only the chosen kernels' weights stay alive
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and x.shape[0] <= PLAIN_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.shape[0]
+        return self.by_bucket[0 if rows == 1 else 1 if rows <= 8 else 2 if rows <= 32 else 3](x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernels={self.choice}"
 
 
-def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Swaps every nn.Linear under `module` for a PackedLinear where packing applies; returns `module`."""
-    if not can_pack(device, dtype):
+# ---- choosing kernels ---------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kernel_cache_path() -> Path | None:
+    """$SPECSERVE_KERNEL_CACHE (empty: no cache), else the user cache dir's specserve/kernels.json."""
+    env = os.environ.get("SPECSERVE_KERNEL_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specserve" / "kernels.json"
+
+
+def machine_key() -> str:
+    return (f"{cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+            f"{torch.get_num_threads()} threads")
+
+
+def time_kernels(kernels: dict[str, list[Kernel]], x: torch.Tensor, repeats: int = 3) -> dict[str, float]:
+    """Seconds per product of each kernel, each run over every weight of the group in turn (min of repeats,
+    the kernels interleaved so that a change in the machine's load hits all of them)."""
+    best = dict.fromkeys(kernels, float("inf"))
+    for _ in range(repeats + 1):                    # the first round warms up
+        for name, group in kernels.items():
+            start = time.perf_counter()
+            for k in group:
+                k(x)
+            best[name] = min(best[name], (time.perf_counter() - start) / len(group))
+    return best
+
+
+def same_product(ref: torch.Tensor, got: torch.Tensor) -> bool:
+    if ref.dtype == torch.float32:
+        return torch.allclose(ref, got, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    return torch.equal(ref, got)
+
+
+@torch.inference_mode()
+def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None], names: list[str],
+                   dtype: torch.dtype, cache: dict, key: str) -> tuple[list[str], dict[str, list[Kernel]]]:
+    """The kernel name per bucket for a group of same-shape weights, and the kernels built for them."""
+    kernels = {n: [make_kernel(n, w, b) for w, b in zip(weights, biases)] for n in names}
+    if key in cache and all(n in kernels for n in cache[key]["choice"]):
+        return cache[key]["choice"], kernels
+    probe = torch.randn(BUCKET_ROWS[1], weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    ref = kernels[names[0]][0](probe)
+    for n in names[1:]:
+        if not same_product(ref, kernels[n][0](probe)):
+            logger.info("kernel %s: not the same product as %s on this CPU; not used", n, names[0])
+            del kernels[n]
+    choice, timings = [], []
+    for rows in BUCKET_ROWS:
+        seconds = time_kernels(kernels, torch.randn(rows, weights[0].shape[1]).to(dtype))
+        choice.append(min(seconds, key=seconds.get))
+        timings.append({n: round(s * 1e6, 1) for n, s in seconds.items()})
+    cache[key] = {"choice": choice, "us": timings}
+    return choice, kernels
+
+
+def load_cache(path: Path | None) -> dict:
+    if path is None or not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_cache(path: Path | None, cache: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("could not write the kernel cache %s: %s", path, e)
+
+
+def inference_linears(layers: list[tuple[torch.Tensor, torch.Tensor | None]], device: torch.device,
+                      dtype: torch.dtype, quantization: str | None = None) -> list[InferenceLinear]:
+    """An InferenceLinear per (weight, bias), kernels chosen per group of equal shapes."""
+    names = candidates(device, dtype, quantization)
+    path = kernel_cache_path()
+    cache = load_cache(path)
+    size = len(cache)
+    groups: dict[tuple, list[int]] = {}
+    for i, (w, b) in enumerate(layers):
+        groups.setdefault((tuple(w.shape), b is not None), []).append(i)
+    out: list[InferenceLinear | None] = [None] * len(layers)
+    for (shape, has_bias), idx in groups.items():
+        key = (f"{machine_key()} | {dtype} {quantization or 'none'} | {shape[0]}x{shape[1]}"
+               f"{' bias' if has_bias else ''} x{len(idx)} | {','.join(names)}")
+        choice, kernels = choose_kernels([layers[i][0] for i in idx], [layers[i][1] for i in idx], names,
+                                         dtype, cache, key)
+        for j, i in enumerate(idx):
+            out[i] = InferenceLinear(shape[1], shape[0], {n: kernels[n][j] for n in set(choice)}, choice)
+    if len(cache) != size:
+        save_cache(path, cache)
+    return out
+
+
+def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype,
+                 quantization: str | None = None, extra: dict[str, tuple[torch.Tensor, None]] | None = None) -> nn.Module:
+    """Swaps every nn.Linear of `dtype` under `module` for an InferenceLinear on CPU; returns `module`.
+    `extra` names more (weight, bias) pairs to set as attributes of `module` (a tied head's copy)."""
+    if device.type != "cpu":
         return module
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype == dtype:
-            setattr(module, name, PackedLinear(child.weight, child.bias))
-        else:
-            pack_linears(child, device, dtype)
+    sites = [(owner, name, child) for owner in module.modules() for name, child in owner.named_children()
+             if isinstance(child, nn.Linear) and child.weight.dtype == dtype]
+    pairs = [(c.weight, c.bias) for _, _, c in sites] + list((extra or {}).values())
+    if not pairs:
+        return module
+    linears = inference_linears(pairs, device, dtype, quantization)
+    for (owner, name, _), lin in zip(sites, linears):
+        setattr(owner, name, lin)
+    for name, lin in zip(extra or {}, linears[len(sites):]):
+        setattr(module, name, lin)
     return module
