@@ -19,6 +19,7 @@ from torch import nn
 
 from specserve.models.registry import load_model
 from specserve.train import evaluate
+from specserve.train.checkpoint import load_state, save_state
 from specserve.train.corpus import Corpus, Document, build_corpus, chat_examples, default_sources
 from specserve.train.lm import BOS_ID, EOS_IDS, ModelSize, build_model, hf_config, num_params, save_pretrained
 from specserve.train.tokenizer import render_chat, save_tokenizer, train_tokenizer
@@ -77,7 +78,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     target_stage = StageConfig("target", cfg.target_minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.target_lr,
                                seed=cfg.seed)
     target_state = train_stage(target_stage, target, lambda batch: next_token_loss(target, batch), data.train,
-                               ckpt / "target.pt", cfg.resume)
+                               ckpt / "target.safetensors", cfg.resume)
     timings["target_s"] = target_state.seconds
     save_pretrained(target, target_config, cfg.out, cfg.dtype)
     copy_tokenizer(ckpt, cfg.out)
@@ -88,7 +89,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     draft_stage = StageConfig("draft", cfg.draft_minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.draft_lr,
                               seed=cfg.seed + 1)
     draft_state = train_stage(draft_stage, draft, lambda batch: distillation_loss(draft, target, batch), data.train,
-                              ckpt / "draft.pt", cfg.resume)
+                              ckpt / "draft.safetensors", cfg.resume)
     timings["draft_s"] = draft_state.seconds
     save_pretrained(draft, draft_config, cfg.out / "draft", cfg.dtype)
     copy_tokenizer(ckpt, cfg.out / "draft")
@@ -110,10 +111,9 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 def prepare_data(cfg: DemoConfig, ckpt: Path) -> tuple[Tokenizer, TokenData]:
     """Corpus split, tokenizer and token ids, cached in the checkpoint folder."""
-    cached = ckpt / "data.pt"
+    cached = ckpt / "data.safetensors"
     if cfg.resume and cached.exists() and (ckpt / "tokenizer.json").exists():
-        saved = torch.load(cached, weights_only=False)
-        return Tokenizer.from_file(str(ckpt / "tokenizer.json")), TokenData(**saved)
+        return Tokenizer.from_file(str(ckpt / "tokenizer.json")), TokenData(**load_state(cached))
     corpus = build_corpus(cfg.sources, cfg.heldout_fraction, int(cfg.max_corpus_mb * 1e6), cfg.seed)
     tokenizer = train_tokenizer([d.text for d in corpus.train], cfg.vocab_size)
     save_tokenizer(tokenizer, ckpt, model_max_length=cfg.max_positions)
@@ -127,7 +127,7 @@ def prepare_data(cfg: DemoConfig, ckpt: Path) -> tuple[Tokenizer, TokenData]:
         heldout_names=[heldout_entry(d) for d in corpus.heldout],
     )
     (cfg.out / "heldout.json").write_text(json.dumps(data.heldout_names, indent=1) + "\n")
-    torch.save(asdict(data), cached)
+    save_state(cached, asdict(data))
     return tokenizer, data
 
 

@@ -25,6 +25,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.eagle3 import (ARCHITECTURE, Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers,
                                      save_eagle3_head)
 from specserve.models.registry import load_model, parse_dtype
+from specserve.train.checkpoint import load_state, save_state
 from specserve.train.corpus import Corpus, default_sources, read_source
 from specserve.train.demo import chat_texts
 from specserve.train.trainer import StageConfig, sample_batch, train_stage
@@ -66,7 +67,7 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     tokens = corpus_tokens(cfg, target_config)
     if cfg.init is None:
         layers = resolve_aux_layers(None if cfg.layers is None else list(cfg.layers), target_config.num_hidden_layers)
-        draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.pt")
+        draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.safetensors")
         head = new_head(cfg, target, target_config, draft_ids)
     else:   # continue training a saved head: its layers and draft vocabulary
         head = load_eagle3_head(cfg.init, target.model.embed_tokens, target_config, torch.float32, "cpu",
@@ -78,7 +79,7 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
     draft_index[draft_ids] = torch.arange(len(draft_ids))
     state = train_stage(stage, head, lambda batch: ttt_loss(head, target, layers, draft_index, batch, cfg),
-                        tokens, ckpt / "head.pt", cfg.resume)
+                        tokens, ckpt / "head.safetensors", cfg.resume)
     t2d = draft_index >= 0
     save_eagle3_head(head, cfg.out_dir, cfg.dtype, t2d)
     summary = {"target": str(cfg.target), "target_layers_read": list(layers), "draft_vocab_size": len(draft_ids),
@@ -138,7 +139,7 @@ def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[in
     (ties and any shortfall filled by corpus frequency, then by id)."""
     size = min(cfg.draft_vocab_size, target.config.vocab_size)
     if cfg.resume and cached.exists():
-        return torch.load(cached)
+        return load_state(cached)
     counts: Counter[int] = Counter()
     num_batches = max(1, cfg.vocab_tokens // (cfg.batch_size * cfg.seq_len))
     for step in tqdm(range(num_batches), desc="draft vocabulary", dynamic_ncols=True, mininterval=5.0):
@@ -151,7 +152,7 @@ def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[in
     draft_ids = torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
     covered = sum(counts.get(t, 0) for t in draft_ids.tolist()) / max(1, sum(counts.values()))
     print(f"draft vocabulary: {size} tokens cover {covered:.1%} of the target's predictions")
-    torch.save(draft_ids, cached)
+    save_state(cached, draft_ids)
     return draft_ids
 
 

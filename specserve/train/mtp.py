@@ -125,7 +125,7 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     mtp = init_mtp(target, cfg.num_layers, cfg.seed)
     stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     state = train_stage(stage, mtp, lambda batch: mtp_loss(mtp, target, batch, cfg.reuse_steps), tokens,
-                        out_dir / ".ckpt" / "mtp.pt", cfg.resume)
+                        out_dir / ".ckpt" / "mtp.safetensors", cfg.resume)
     if cfg.out is None:
         save_mtp_into_checkpoint(mtp, cfg.target, cfg.dtype)
     else:

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from specserve.train.checkpoint import load_state, save_state
+
 RECENT_STEPS = 50
 REPLAN_SECONDS = 60.0
 
@@ -125,7 +127,7 @@ def train_stage(cfg: StageConfig, model: nn.Module, loss_fn: Callable[[torch.Ten
     optimizer = make_optimizer(model, cfg)
     state = StageState(planned_steps=cfg.max_steps or 0)
     if resume and checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=False)
+        saved = load_state(checkpoint)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state = StageState(**saved["state"])
@@ -188,9 +190,6 @@ def _seconds_left(cfg: StageConfig, state: StageState, recent: deque[float], bud
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: StageState) -> None:
-    """Written to a temporary file first, so an interrupted save leaves the previous checkpoint intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "state": {f: getattr(state, f) for f in StageState.__dataclass_fields__}}, tmp)
-    os.replace(tmp, path)
+    """A safetensors file (see train/checkpoint.py): resuming loads tensors and JSON, nothing unpickled."""
+    save_state(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "state": {f: getattr(state, f) for f in StageState.__dataclass_fields__}})
