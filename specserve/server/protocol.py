@@ -73,6 +73,8 @@ def integral_ids(values: list[float]) -> list[int]:
 
 
 Int = Annotated[int, BeforeValidator(integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(integral)]      # the bound first: it shows in the schema
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(integral)]
 # a list of ints validates in pydantic's own code; only a list holding floats takes the second form
 TokenIds = list[int] | Annotated[list[float], AfterValidator(integral_ids)]
 
@@ -106,10 +108,10 @@ class SamplingDefaults:
 class GenerationRequest(OpenAIRequest):
     """Fields shared by chat and text completions."""
     model: str | None = None
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: Int | None = Field(None, ge=-1)
+    top_k: Annotated[int, Field(ge=-1), BeforeValidator(integral)] | None = None
     seed: Int | None = None               # any integer: the sampler takes it modulo 2**64
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
@@ -117,12 +119,12 @@ class GenerationRequest(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # speculative decoding
-    num_assistant_tokens: Int | None = Field(None, ge=0, le=MAX_NUM_ASSISTANT_TOKENS)
-    prompt_lookup_min: Int | None = Field(None, ge=1)
-    prompt_lookup_max: Int | None = Field(None, ge=1)
-    max_ngram_size: Int | None = Field(None, ge=1)        # transformers' name for prompt_lookup_max
-    branching_factor: Int | None = Field(None, ge=1)
-    tree_depth: Int | None = Field(None, ge=0)
+    num_assistant_tokens: Annotated[int, Field(ge=0, le=MAX_NUM_ASSISTANT_TOKENS), BeforeValidator(integral)] | None = None
+    prompt_lookup_min: PositiveInt | None = None
+    prompt_lookup_max: PositiveInt | None = None
+    max_ngram_size: PositiveInt | None = None             # transformers' name for prompt_lookup_max
+    branching_factor: PositiveInt | None = None
+    tree_depth: NonNegativeInt | None = None
 
     @field_validator("stop")
     @classmethod
@@ -221,7 +223,7 @@ class ChatMessage(OpenAIRequest):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
