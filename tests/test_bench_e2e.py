@@ -12,7 +12,7 @@ from specserve.bench.launch import launched_server  # noqa: E402
 from specserve.bench.serve import run_serve  # noqa: E402
 from specserve.bench.sweep import run_sweep  # noqa: E402
 from specserve.bench.tune import run_tune  # noqa: E402
-from specserve.config import default_model_dir  # noqa: E402
+from specserve.config import demo_model_dir  # noqa: E402
 
 # Short sonnet prompts and greedy, EOS-ignoring outputs keep each run to seconds on a CPU.
 PROMPTS = ["--dataset-name", "sonnet", "--sonnet-input-len", "300", "--sonnet-prefix-len", "100",
@@ -25,7 +25,7 @@ def parse(argv: list[str]):
 
 @pytest.fixture(scope="module")
 def demo_model() -> Path:
-    path = Path(default_model_dir())
+    path = Path(demo_model_dir())
     assert (path / "config.json").is_file(), f"no demo model at {path}"
     return path
 
