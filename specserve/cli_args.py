@@ -46,8 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations dtype; auto: the checkpoint's on CUDA, on CPU bfloat16 for a "
                              "bfloat16 checkpoint (where oneDNN supports it), else float32")
-    engine.add_argument("--quantization", choices=["int8"],
-                        help="int8: weight-only int8 linears on CPU, quantized at load (default: none)")
+    engine.add_argument("--quantization", choices=["int8", "int4"],
+                        help="weight-only int8 (per row) or int4 (groups of 32) linears on CPU, quantized at load "
+                             "(default: none)")
     engine.add_argument("--device", help="cpu, cuda, cuda:N or auto" + default("device"))
     engine.add_argument("--max-num-seqs", type=int_at_least(1), help="requests batched at once" + default("max_num_seqs"))
     engine.add_argument("--max-num-batched-tokens", type=int_at_least(1),

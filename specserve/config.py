@@ -83,7 +83,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None            # CPU intra-op threads; None: 1 for models whose weights fit in cache
-    quantization: str | None = None           # "int8": weight-only int8 linears on CPU (layers/quantization.py)
+    quantization: str | None = None           # "int8" / "int4": weight-only linears on CPU (layers/quantization.py)
     # speculative decoding
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"
     draft_model: str | Path | None = None
@@ -105,8 +105,8 @@ class EngineConfig:
             raise ValueError(f"speculative_method must be one of {SPEC_METHODS}, got {self.speculative_method!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_assistant_tokens is not None and not 0 <= self.num_assistant_tokens <= MAX_NUM_ASSISTANT_TOKENS:

@@ -44,3 +44,24 @@ def test_blocks_are_taken_next_to_the_sequence_when_free():
     bm.free(b)
     bm.ensure(a, 17)
     assert a.block_table == [0, 1, 4, 5, 6]
+
+
+def test_a_new_sequence_starts_where_its_prompt_fits_in_one_run():
+    from specserve.engine.block_manager import BlockManager
+    from specserve.engine.sequence import Sequence
+    from specserve.sampling_params import SamplingParams
+    bm = BlockManager(10, 4, enable_prefix_caching=False)
+    a, b = Sequence(list(range(4)), SamplingParams()), Sequence(list(range(4)), SamplingParams())
+    for s in (a, b):
+        bm.allocate(s)
+        bm.ensure(s, 4)
+    assert a.block_table == [0] and b.block_table == [1]
+    bm.free(a)                                         # free: 2..9, then 0; block 1 is b's
+    c = Sequence(list(range(10)), SamplingParams())
+    bm.allocate(c)
+    bm.ensure(c, 10)
+    assert c.block_table == [2, 3, 4]
+    d = Sequence(list(range(30)), SamplingParams())    # 8 blocks: no free run that long; still allocated
+    bm.allocate(d)
+    bm.ensure(d, 24)
+    assert len(d.block_table) == 6 and len(set(d.block_table)) == 6

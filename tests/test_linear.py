@@ -109,6 +109,22 @@ def test_a_kernel_that_is_not_the_same_product_is_never_chosen(monkeypatch):
     assert m.choice == ["linear"] * 4
 
 
+def test_int4_weights_are_close_and_row_invariant():
+    from specserve.layers.quantization import INT4_GROUP, quantize_int4
+    torch.manual_seed(0)
+    w = torch.randn(96, 64) * 0.05
+    packed, sz = quantize_int4(w)
+    assert packed.dtype == torch.uint8 and sz.shape == (64 // INT4_GROUP, 96, 2)
+    kernel = make_kernel("int4", w.bfloat16(), None)
+    x = torch.randn(17, 64).bfloat16()
+    with torch.inference_mode():
+        y = kernel(x)
+        assert torch.equal(torch.cat([kernel(x[i:i + 1]) for i in range(17)]), y)     # verify rows == decode rows
+        ref = F.linear(x.float(), w)
+        assert (y.float() - ref).abs().max() <= 0.1 * ref.abs().max()                # 16 levels per group of 32
+    assert linear.candidates(CPU, torch.bfloat16, "int4", (96, 40)) == ["int8"]      # no whole groups: int8
+
+
 def test_int8_weights_are_close_and_row_invariant():
     torch.manual_seed(0)
     w = torch.randn(96, 64) * 0.05
@@ -208,14 +224,16 @@ def test_engine_greedy_equals_unprepared(qwen3_dir, monkeypatch, kernel):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
 
 
-def test_int8_model_logits_close_to_bf16(model_dir):
-    """Weight-only int8 (one scale per output row): the logits stay within a few percent of the bf16 model's."""
+@pytest.mark.parametrize("quantization, bound", [("int8", 0.02), ("int4", 0.15)])
+def test_quantized_model_logits_close_to_bf16(model_dir, quantization, bound):
+    """Weight-only int8 (one scale per output row) / int4 (groups of 32): the logits stay within 2% / 15% of
+    the largest bf16 logit of the random tiny models (measured: 0.7-0.8% / 6.7-7.4%)."""
     ids = torch.randint(0, 400, (30,)).tolist()
     bf16 = run_logits(load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16), torch.bfloat16, ids)
-    int8 = load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16, "int8")
-    assert all(m.choice == ["int8"] * 4 for m in int8.modules() if isinstance(m, InferenceLinear))
-    got = run_logits(int8, torch.bfloat16, ids)
-    assert (got - bf16).abs().max() <= 0.05 * bf16.abs().max()
+    quantized = load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16, quantization)
+    assert all(m.choice == [quantization] * 4 for m in quantized.modules() if isinstance(m, InferenceLinear))
+    got = run_logits(quantized, torch.bfloat16, ids)
+    assert (got - bf16).abs().max() <= bound * bf16.abs().max()
     assert (got - bf16).abs().max() > 0                                               # it is quantized
 
 
@@ -238,16 +256,18 @@ def test_bf16_engine_without_bf16_onednn_runs_and_speculation_is_exact(qwen3_dir
         or ModelConfig.from_pretrained(qwen3_dir).torch_dtype != "bfloat16"
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_int8_engine_speculation_equals_int8_plain(qwen3_dir, dtype):
-    """--quantization int8: greedy n-gram decoding (verify steps of several rows) gives the same tokens as the
-    same int8 model decoding plainly, and not those of the unquantized model on every prompt by construction."""
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", "int8"), ("float32", "int8"), ("bfloat16", "int4")])
+def test_quantized_engine_speculation_equals_quantized_plain(qwen3_dir, dtype, quantization):
+    """--quantization int8 / int4: greedy n-gram decoding (verify steps of several rows) gives the same tokens
+    as the same quantized model decoding plainly."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def fibonacci(n):", "To be, or not to be", "The quick brown fox"]
     outs = {}
     for method in ("none", "ngram"):
-        llm = LLM(str(qwen3_dir), dtype=dtype, kv_cache_memory_gb=0.01, speculative_method=method, quantization="int8")
-        assert isinstance(llm.engine.model.lm_head, InferenceLinear) and llm.engine.model.lm_head.choice[0] == "int8"
+        llm = LLM(str(qwen3_dir), dtype=dtype, kv_cache_memory_gb=0.01, speculative_method=method,
+                  quantization=quantization)
+        assert isinstance(llm.engine.model.lm_head, InferenceLinear)
+        assert llm.engine.model.lm_head.choice[0] == quantization
         outs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["none"] == outs["ngram"]
     assert all(len(t) == 24 for t in outs["none"])

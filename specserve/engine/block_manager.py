@@ -101,6 +101,15 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_drafter_computed = seq.num_computed_tokens
 
+    def _run_start(self, length: int) -> int | None:
+        """The oldest free block that starts a run of `length` free blocks (a new sequence's first block, so
+        that its prompt and what follows fit in one run), or None."""
+        run, runs = 0, [0] * len(self.blocks)
+        for block in reversed(self.blocks):
+            run = run + 1 if block.ref_count == 0 else 0
+            runs[block.block_id] = run
+        return next((b for b in self.free_block_ids if runs[b] >= length), None)
+
     def can_ensure(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
@@ -110,7 +119,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             raise NoFreeBlocks(f"need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
-            after = seq.block_table[-1] + 1 if seq.block_table else None
+            after = seq.block_table[-1] + 1 if seq.block_table else self._run_start(self.num_blocks_for(len(seq) + 1))
             seq.block_table.append(self._take_free_block(after))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:

@@ -11,7 +11,7 @@ file (`kernel_cache_path`) keyed by CPU model, torch version, threads, dtype and
 
 Candidates only ever compute the same product: in bf16 they must give the same bits as F.linear on a probe (so
 a verify step's rows are the rows plain decoding would produce), in fp32 the same sums to rounding; an int8
-weight has a single kernel. Packing is a module swap done by the engine after loading; training never sees it.
+or int4 weight has a single kernel. Packing is a module swap done by the engine after loading; training never sees it.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.quantization import int8_linear, quantize_int8
+from specserve.layers.quantization import INT4_GROUP, can_quantize_int4, int4_linear, int8_linear, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_packing_supported())
 
 
-def candidates(device: torch.device, dtype: torch.dtype, quantization: str | None) -> list[str]:
-    """The kernels this CPU offers for one weight, first the reference the others must agree with."""
-    if quantization == "int8":
+def candidates(device: torch.device, dtype: torch.dtype, quantization: str | None,
+               shape: tuple[int, int] | None = None) -> list[str]:
+    """The kernels this CPU offers for one weight, first the reference the others must agree with. int4 needs
+    whole groups along the input; a weight without them stays int8."""
+    if quantization == "int4" and (shape is None or shape[1] % INT4_GROUP == 0):
+        return ["int4"]
+    if quantization in ("int8", "int4"):
         return ["int8"]
     return ["linear", "packed"] if can_pack(device, dtype) else ["linear"]
 
@@ -71,6 +75,9 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> K
     if name == "int8":
         q, scales = quantize_int8(weight)
         return functools.partial(int8_linear, q=q, scales=scales, bias=bias)
+    if name == "int4" and can_quantize_int4(weight):
+        packed, scales_and_zeros = quantize_int4(weight)
+        return functools.partial(int4_linear, packed=packed, scales_and_zeros=scales_and_zeros, bias=bias)
     raise ValueError(f"unknown kernel {name!r}")
 
 
@@ -181,7 +188,6 @@ def save_cache(path: Path | None, cache: dict) -> None:
 def inference_linears(layers: list[tuple[torch.Tensor, torch.Tensor | None]], device: torch.device,
                       dtype: torch.dtype, quantization: str | None = None) -> list[InferenceLinear]:
     """An InferenceLinear per (weight, bias), kernels chosen per group of equal shapes."""
-    names = candidates(device, dtype, quantization)
     path = kernel_cache_path()
     cache = load_cache(path)
     size = len(cache)
@@ -190,6 +196,7 @@ def inference_linears(layers: list[tuple[torch.Tensor, torch.Tensor | None]], de
         groups.setdefault((tuple(w.shape), b is not None), []).append(i)
     out: list[InferenceLinear | None] = [None] * len(layers)
     for (shape, has_bias), idx in groups.items():
+        names = candidates(device, dtype, quantization, shape)
         key = (f"{machine_key()} | {dtype} {quantization or 'none'} | {shape[0]}x{shape[1]}"
                f"{' bias' if has_bias else ''} x{len(idx)} | {','.join(names)}")
         choice, kernels = choose_kernels([layers[i][0] for i in idx], [layers[i][1] for i in idx], names,
