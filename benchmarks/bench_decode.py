@@ -1,7 +1,7 @@
 """Plain decode tokens/s: specserve vs transformers' generate on the same weights, side by side in one run.
 
     python benchmarks/bench_decode.py [--sizes small,large] [--dtypes float32,bfloat16] [--repeats 3]
-    python benchmarks/bench_decode.py --model-dir /tmp/smollm2-hf --sizes '' [--quantizations none,int8]
+    python benchmarks/bench_decode.py --model-dir /tmp/smollm2-hf --sizes '' [--quantizations none,int8,int4]
 
 Random Qwen3 checkpoints (--sizes): batch 1, greedy, 128 new tokens after one code prompt. A real model
 (--model-dir, e.g. the default SmolLM2-135M-Instruct converted to a bf16 HF folder): 12 chat prompts (code and
@@ -63,8 +63,9 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], new_tokens: i
 
 def specserve_llm(model_dir: Path, dtype: str, quantization: str | None = None):
     from specserve.llm import LLM
+    extra = {"quantization": quantization} if quantization else {}
     return LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.5,
-               num_threads=torch.get_num_threads(), enable_prefix_caching=False, quantization=quantization)
+               num_threads=torch.get_num_threads(), enable_prefix_caching=False, **extra)
 
 
 def specserve_runner(llm, prompts: list[list[int]], new_tokens: int):
@@ -195,14 +196,22 @@ def real_model(args) -> None:
         short, long = context_speed(llm, text, (200, 4000))
         print(f"| {name} | {one * 1e3:.2f} | {six * 1e3:.2f} | {six / one:.2f}x | {short:.1f} | {long:.1f} | "
               f"{long / short:.2f}x |")
+    runner = next(iter(llms.values())).engine.runner
+    if hasattr(runner, "contiguous_start"):           # the same engine gathering its context (the code before)
+        runner.contiguous_start = lambda table, n: None
+        short, long = context_speed(next(iter(llms.values())), text, (200, 4000))
+        print(f"| {next(iter(llms))}, context gathered | - | - | - | {short:.1f} | {long:.1f} | {long / short:.2f}x |")
     if args.profile:
         profile_specserve(runs[next(iter(llms))], args.new_tokens)
 
 
 def cpu_label() -> str:
-    from specserve.layers.linear import bf16_packing_supported, cpu_name
-    return (f"{cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
-            f"{'yes' if bf16_packing_supported() else 'no'}")
+    import platform
+    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 {'yes' if bf16 else 'no'}"
 
 
 def random_models(args) -> None:
@@ -238,7 +247,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,large", help="random Qwen3 models; '' for none")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     ap.add_argument("--model-dir", help="a real HF model folder with a chat template (e.g. SmolLM2 in bf16)")
-    ap.add_argument("--quantizations", default="none,int8", help="specserve variants on --model-dir")
+    ap.add_argument("--quantizations", default="none,int8,int4", help="specserve variants on --model-dir")
     ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used on --model-dir")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

@@ -28,12 +28,14 @@ class ForwardContext:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
     cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
-    cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
     B, T = ctx.context_slots.shape
     if ctx.context_start is not None:       # a view of the cache: reading 4k slots in place saves a 6 MB copy a layer
-        kv = cache[ctx.context_start:ctx.context_start + T].unsqueeze(0)               # [1, T, 2, Hkv, D]
+        run = cache[ctx.context_start:ctx.context_start + T]                            # [T, 2, Hkv, D]
+        run[T - k.shape[0]:].copy_(torch.stack((k, v), dim=1))          # the new tokens are the run's last slots
+        kv = run.unsqueeze(0)                                                           # [1, T, 2, Hkv, D]
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)       # [1, Hkv, T, D] strided
     else:
+        cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
         Hkv, D = k.shape[1:]
         kv = cache.index_select(0, ctx.context_slots.view(-1)).view(B, T, 2 * Hkv, D).transpose(1, 2)
         keys, values = kv.chunk(2, dim=1)                                               # [B, Hkv, T, D] each

@@ -72,11 +72,19 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> K
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
         pointwise = torch.ops.mkldnn._linear_pointwise
         return lambda x: pointwise(x, packed, bias, "none", [], "")
+    # a bf16 model without a bias calls the quantized op directly: no conversions, one Python frame less
+    direct = weight.dtype == torch.bfloat16 and bias is None
     if name == "int8":
         q, scales = quantize_int8(weight)
+        if direct:
+            int8_mm = torch.ops.aten._weight_int8pack_mm
+            return lambda x: int8_mm(x, q, scales)
         return functools.partial(int8_linear, q=q, scales=scales, bias=bias)
     if name == "int4" and can_quantize_int4(weight):
         packed, scales_and_zeros = quantize_int4(weight)
+        if direct:
+            int4_mm, group = torch.ops.aten._weight_int4pack_mm_for_cpu, INT4_GROUP
+            return lambda x: int4_mm(x, packed, group, scales_and_zeros)
         return functools.partial(int4_linear, packed=packed, scales_and_zeros=scales_and_zeros, bias=bias)
     raise ValueError(f"unknown kernel {name!r}")
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import ForwardContext, causal_attention, paged_attention
-from specserve.layers.linear import pack_linears
+from specserve.layers.linear import InferenceLinear, pack_linears
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.config import ModelConfig
 
@@ -62,6 +62,8 @@ def frozen_linear(module: nn.Module) -> Linear:
     decode step): a bound forward, or F.linear over the plain weight."""
     if isinstance(module, nn.Linear):
         return functools.partial(F.linear, weight=module.weight, bias=module.bias)
+    if isinstance(module, InferenceLinear) and len(set(module.choice)) == 1:
+        return module.by_bucket[0]                  # one kernel for every row count: call it directly
     return module.forward
 
 
