@@ -207,3 +207,8 @@ def test_a_bad_file_is_a_one_line_cli_error(tmp_path, capsys):
     not_gguf = tmp_path / "weights.bin"
     save_file({"x": torch.zeros(2)}, str(not_gguf))
     assert main(["convert", str(not_gguf), str(tmp_path / "o")]) == 2
+    assert "weights.bin is not a GGUF file" in capsys.readouterr().err
+    assert main(["generate", "--model", str(not_gguf), "--prompt", "hi"]) == 2
+    assert "weights.bin is a file but not a GGUF file" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
+    assert "nowhere does not exist" in capsys.readouterr().err

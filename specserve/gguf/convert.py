@@ -74,6 +74,10 @@ def model_dir(model: str | Path, dtype: str = "auto") -> str | Path:
     """What the engine loads for a model argument: a GGUF file's cached conversion; a folder as it is.
     The conversion is in the dtype the engine runs (bfloat16 for auto), so float32 gets the exact dequantized
     values rather than their bfloat16 rounding."""
-    if not is_gguf(model):
+    if not Path(model).exists():
+        raise FileNotFoundError(f"model {model} does not exist (a model is a Hugging Face folder or a GGUF file)")
+    if Path(model).is_dir():
         return model
+    if not is_gguf(model):
+        raise ValueError(f"model {model} is a file but not a GGUF file (a model is a Hugging Face folder or a GGUF file)")
     return converted_dir(model, torch.bfloat16 if dtype == "auto" else parse_dtype(dtype))
