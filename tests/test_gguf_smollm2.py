@@ -66,10 +66,9 @@ def test_the_file_converts_to_smollm2(smollm2):
             config["tie_word_embeddings"]) == (["LlamaForCausalLM"], 30, 576, 49152, 9, 3, 100000.0, True)
 
 
-def test_llm_with_no_model_serves_smollm2_in_bf16_with_ngram_drafting(smollm2):
-    llm = LLM(**SMALL)
+def test_llm_with_no_model_serves_smollm2_with_ngram_drafting(smollm2):
+    llm = LLM(**SMALL)          # dtype auto: bf16 where the CPU has bf16 kernels, else fp32 (the bf16 folder upcast)
     assert llm.engine.config.model == smollm2 and llm.engine.spec_method == "ngram"
-    assert llm.engine.dtype == torch.bfloat16
     prompt = llm.tokenizer.apply_chat_template(CHATS[0])    # the template stored in the GGUF file
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     out = llm.chat(CHATS[1], greedy())[0]
