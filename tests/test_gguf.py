@@ -160,7 +160,7 @@ def test_sha256_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
     assert file_sha256(path) == "88d4266fd4e6338d13b845fcf289579d209c897823b9217da3e161936f031589"
 
 
-def write_raw_gguf(path, arch="llama", tensors=None, pre="gpt2", model="gpt2"):
+def write_raw_gguf(path, arch="llama", tensors=None, pre: str | None = "gpt2", model="gpt2"):
     """A minimal file for the error cases: metadata plus the given (name, array, raw type) tensors."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("context_length", 64), ("embedding_length", 32), ("feed_forward_length", 64),
@@ -168,7 +168,8 @@ def write_raw_gguf(path, arch="llama", tensors=None, pre="gpt2", model="gpt2"):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_tokenizer_model(model)
-    w.add_tokenizer_pre(pre)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(["a", "b", "ab"])
     w.add_token_merges(["a b"])
     for name, data, raw in tensors or [("token_embd.weight", np.zeros((3, 32), np.float32), None)]:
@@ -185,6 +186,8 @@ def test_unsupported_architecture_tensor_type_and_pre_tokenizer_are_named_errors
         convert(write_raw_gguf(tmp_path / "a.gguf", arch="gemma2"), tmp_path / "a")
     with pytest.raises(ValueError, match="pre-tokenizer 'mystery-bpe'"):
         convert(write_raw_gguf(tmp_path / "p.gguf", pre="mystery-bpe"), tmp_path / "p")
+    with pytest.raises(ValueError, match="names no pre-tokenizer"):
+        convert(write_raw_gguf(tmp_path / "none.gguf", pre=None), tmp_path / "none")
     with pytest.raises(ValueError, match="tokenizer model 'llama'"):
         convert(write_raw_gguf(tmp_path / "t.gguf", model="llama"), tmp_path / "t")
     q8_1 = np.zeros((3, gguf.GGML_QUANT_SIZES[F.Q8_1][1]), np.uint8)   # a block per row; gguf.quants has no dequantizer

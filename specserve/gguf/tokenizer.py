@@ -47,7 +47,10 @@ def build_tokenizer(file: GGUFFile) -> Tokenizer:
     model = file.field("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"{file.path}: unsupported GGUF tokenizer model {model!r} (supported: gpt2, byte-level BPE)")
-    pre = file.field("tokenizer.ggml.pre", "gpt2")
+    pre = file.field("tokenizer.ggml.pre", None)      # older files: llama.cpp guesses a split; we do not
+    if pre is None:
+        raise ValueError(f"{file.path}: the GGUF file names no pre-tokenizer (tokenizer.ggml.pre), so how its text "
+                         f"is split is unknown (supported: {', '.join(PRE_TOKENIZERS)})")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{file.path}: unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZERS)})")
     make_pre_tokenizer, ignore_merges = PRE_TOKENIZERS[pre]
