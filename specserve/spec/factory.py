@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from specserve.models.config import ModelConfig
@@ -11,6 +12,31 @@ from specserve.models.registry import MODEL_REGISTRY
 logger = logging.getLogger(__name__)
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+#: config.json key of a drafter shipped in the package: the sha256 digests of the GGUF files it was trained for
+TARGET_GGUF_KEY = "specserve_target_gguf_sha256"
+CONVERSION_NAME = re.compile(r"([0-9a-f]{64})-(bfloat16|float16|float32)")
+
+
+def default_drafters_dir() -> Path:
+    """The drafters shipped with the package for the default model (EAGLE3 head, draft model, MTP layers)."""
+    return Path(__file__).resolve().parents[1] / "default_drafters"
+
+
+def converted_from(model_dir: str | Path) -> str | None:
+    """The sha256 of the GGUF file a folder of specserve's conversion cache was made from (the cache's key), else None."""
+    from specserve.gguf.cache import cache_dir
+    path = Path(model_dir).resolve()
+    match = CONVERSION_NAME.fullmatch(path.name)
+    return match.group(1) if match and path.parent == (cache_dir() / "gguf").resolve() else None
+
+
+def shipped_drafters(model_dir: str | Path) -> list[Path]:
+    """Shipped drafter folders whose config.json names the GGUF file the model was converted from."""
+    digest, root = converted_from(model_dir), default_drafters_dir()
+    if digest is None or not root.is_dir():
+        return []
+    return [sub for sub in sorted(root.iterdir()) if (sub / "config.json").exists()
+            and digest in json.loads((sub / "config.json").read_text()).get(TARGET_GGUF_KEY, [])]
 
 
 def drafter_kind(path: str | Path) -> str:
@@ -31,9 +57,11 @@ def drafter_kind(path: str | Path) -> str:
 
 
 def find_drafters(model_dir: str | Path) -> dict[str, Path]:
-    """Drafters in subfolders of the model folder, by kind (the first subfolder of each kind, sorted)."""
+    """Drafters in subfolders of the model folder, by kind (the first subfolder of each kind, sorted), then
+    those shipped for the model (a GGUF conversion the package has drafters for)."""
     found: dict[str, Path] = {}
-    for sub in sorted(p for p in Path(model_dir).iterdir() if p.is_dir() and (p / "config.json").exists()):
+    subfolders = sorted(p for p in Path(model_dir).iterdir() if p.is_dir() and (p / "config.json").exists())
+    for sub in subfolders + shipped_drafters(model_dir):
         try:
             found.setdefault(drafter_kind(sub), sub)
         except ValueError as e:

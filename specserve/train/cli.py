@@ -1,4 +1,4 @@
-"""`specserve train ...`: the `demo` models now; the `eagle3` and `mtp` heads add their sub-commands here."""
+"""`specserve train ...`: `demo` models; `data` (self-distillation), `eagle3`, `draft`, `mtp` for any target; `ship`."""
 from __future__ import annotations
 
 import argparse
@@ -7,17 +7,23 @@ from pathlib import Path
 
 from specserve.models.registry import parse_dtype
 from specserve.train.demo import DEFAULT_OUT, DemoConfig, run_demo
+from specserve.train.data import add_data_parser
+from specserve.train.draft import add_draft_parser
 from specserve.train.eagle3 import add_eagle3_parser
 from specserve.train.lm import ModelSize
 from specserve.train.mtp import add_mtp_parser
+from specserve.train.ship import add_ship_parser
 
 
 def add_train_parsers(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train = subparsers.add_parser("train", help="train models with specserve's own code")
     train_commands = train.add_subparsers(dest="train_command", required=True)
     add_demo_parser(train_commands)
+    add_data_parser(train_commands)
+    add_draft_parser(train_commands)
     add_eagle3_parser(train_commands)
     add_mtp_parser(train_commands)
+    add_ship_parser(train_commands)
     return train
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 from tqdm import tqdm
@@ -27,6 +28,7 @@ from specserve.models.eagle3 import (ARCHITECTURE, Eagle3Config, Eagle3Head, loa
 from specserve.models.registry import load_model, parse_dtype
 from specserve.train.checkpoint import load_state, save_state
 from specserve.train.corpus import Corpus, default_sources, read_source
+from specserve.train.data import Conversations, load_conversations, segment_ids
 from specserve.train.demo import chat_texts
 from specserve.train.trainer import StageConfig, sample_batch, train_stage
 
@@ -53,6 +55,8 @@ class Eagle3TrainConfig:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     resume: bool = False
+    data: Path | None = None                # recorded conversations (`specserve train data`) instead of a corpus
+    prompt_weight: float = 0.3              # with data: loss weight of a prompt position (answer positions: 1)
 
     @property
     def out_dir(self) -> Path:
@@ -64,10 +68,17 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     ckpt.mkdir(parents=True, exist_ok=True)
     target_config = ModelConfig.from_pretrained(cfg.target)
     target = load_model(cfg.target, torch.float32, "cpu", target_config).requires_grad_(False)
-    tokens = corpus_tokens(cfg, target_config)
+    data = load_conversations(cfg.data) if cfg.data is not None else None
+    tokens = corpus_tokens(cfg, target_config) if data is None else torch.arange(data.num_tokens, dtype=torch.int32)
     if cfg.init is None:
         layers = resolve_aux_layers(None if cfg.layers is None else list(cfg.layers), target_config.num_hidden_layers)
-        draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.safetensors")
+        if data is None:
+            draft_ids = draft_vocabulary(cfg, target, layers, tokens, ckpt / "vocab.safetensors")
+        else:
+            if tuple(layers) != data.aux_layers:
+                raise ValueError(f"{cfg.data} recorded layers {list(data.aux_layers)}, the head reads {list(layers)}")
+            draft_ids = data_draft_vocabulary(data, min(cfg.draft_vocab_size, target_config.vocab_size),
+                                              target_config.vocab_size)
         head = new_head(cfg, target, target_config, draft_ids)
     else:   # continue training a saved head: its layers and draft vocabulary
         head = load_eagle3_head(cfg.init, target.model.embed_tokens, target_config, torch.float32, "cpu",
@@ -78,19 +89,40 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
     draft_index[draft_ids] = torch.arange(len(draft_ids))
-    state = train_stage(stage, head, lambda batch: ttt_loss(head, target, layers, draft_index, batch, cfg),
-                        tokens, ckpt / "head.safetensors", cfg.resume)
+    if data is None:
+        loss_fn = lambda batch: ttt_loss(head, target, layers, draft_index, batch, cfg)
+    else:
+        segments, draft_weight = segment_ids(data), target.output_weight[draft_ids].float()
+        loss_fn = lambda rows: stored_ttt_loss(head, data, segments, draft_index, draft_weight, rows, cfg)
+    state = train_stage(stage, head, loss_fn, tokens, ckpt / "head.safetensors", cfg.resume)
     t2d = draft_index >= 0
     save_eagle3_head(head, cfg.out_dir, cfg.dtype, t2d)
     summary = {"target": str(cfg.target), "target_layers_read": list(layers), "draft_vocab_size": len(draft_ids),
-               "train_tokens": len(tokens), "steps": state.step, "seconds": state.seconds, "ttt_steps": cfg.ttt_steps,
+               "train_tokens": len(tokens), "steps": state.step, "seconds": state.seconds,
+               "minutes": state.seconds / 60, "ttt_steps": cfg.ttt_steps,
                "first_loss": sum(state.losses[:10]) / max(1, len(state.losses[:10])),
                "final_loss": sum(state.losses[-50:]) / max(1, len(state.losses[-50:])),
-               "tokens_per_step": cfg.batch_size * cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed}
+               "tokens_per_step": cfg.batch_size * cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed,
+               "intermediate_size": head.config.layer.intermediate_size}
+    if data is not None:
+        summary |= {"data": str(cfg.data), "answer_tokens": int(data.trainable.sum()), "prompt_weight": cfg.prompt_weight,
+                    "token_positions_trained": state.step * cfg.batch_size * cfg.seq_len}
+        coverage = (draft_index[data.topk_ids[data.trainable, 0]] >= 0).float().mean().item()
+        summary["draft_vocab_coverage_of_answers"] = coverage
     if cfg.init is not None and (cfg.init / "training_summary.json").exists():
         summary["continued_from"] = json.loads((cfg.init / "training_summary.json").read_text())
     (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def data_draft_vocabulary(data: Conversations, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` tokens the target predicts most often (its argmax) over the recorded conversations, answer
+    positions counted twice; ties broken by how often the token occurs in the text, then by id. Ascending."""
+    top1 = data.topk_ids[:, 0]
+    predicted = torch.bincount(top1, minlength=vocab_size) + torch.bincount(top1[data.trainable], minlength=vocab_size)
+    occurs = torch.bincount(data.input_ids, minlength=vocab_size)
+    ranked = sorted(range(vocab_size), key=lambda t: (-int(predicted[t]), -int(occurs[t]), t))
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
 
 
 def corpus_tokens(cfg: Eagle3TrainConfig, target_config: ModelConfig) -> torch.Tensor:
@@ -177,33 +209,59 @@ def new_head(cfg: Eagle3TrainConfig, target: nn.Module, target_config: ModelConf
         head.lm_head.weight.copy_(target.output_weight[draft_ids])
         head.norm.weight.copy_(target.model.norm.weight)
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        # fc starts by passing the last of the three states through, so that the head's hidden state starts
+        # as a residual stream of the target's (its norm and lm_head are the target's)
+        H = t.hidden_size
+        head.fc.weight[:, 2 * H:] += torch.eye(H, dtype=head.fc.weight.dtype)
     head.embed_tokens = target.model.embed_tokens           # frozen with the target
     return head
 
 
 def ttt_loss(head: Eagle3Head, target: nn.Module, layers: tuple[int, ...], draft_index: torch.Tensor,
              batch: torch.Tensor, cfg: Eagle3TrainConfig) -> torch.Tensor:
-    """Training-time test on a batch [B, T + 1] of tokens x. Step s at position i takes token x[i+s+1]
-    (with the target's states at i for s = 0, else the head's step s-1 output at i), sits at rotary
-    position i+s, and learns the target's distribution after x[i+s+1], restricted to the draft
-    vocabulary; positions past the window or whose target argmax is outside that vocabulary are masked."""
+    """Training-time test on a batch [B, T + 1] of corpus tokens, the target run on it here."""
     states, logits = target_states(target, layers, batch)                               # [B, T+1, 3H], [B, T+1, V]
-    B, T = batch.shape[0], batch.shape[1] - 1
     draft_ids = (draft_index >= 0).nonzero().squeeze(1)
     p = torch.softmax(logits[..., draft_ids], dim=-1)                                   # [B, T+1, Vd]
     valid = draft_index[logits.argmax(-1)] >= 0                                         # [B, T+1]
+    return unrolled_loss(head, batch, states, p, valid.float(), None, cfg.ttt_steps, cfg.step_weight)
+
+
+def stored_ttt_loss(head: Eagle3Head, data: Conversations, segments: torch.Tensor, draft_index: torch.Tensor,
+                    draft_weight: torch.Tensor, rows: torch.Tensor, cfg: Eagle3TrainConfig) -> torch.Tensor:
+    """Training-time test on windows of recorded conversations, rows [B, T + 1] indexing data's tokens. The
+    target's distribution over the draft vocabulary comes from its recorded final hidden state (the exact
+    logits of those tokens); a prompt position weighs prompt_weight, an answer position 1."""
+    with torch.no_grad():
+        p = torch.softmax(F.linear(data.final[rows].float(), draft_weight), dim=-1)     # [B, T+1, Vd]
+        in_vocab = draft_index[data.topk_ids[rows, 0]] >= 0
+        weight = torch.where(data.trainable[rows], 1.0, cfg.prompt_weight) * in_vocab   # [B, T+1]
+    return unrolled_loss(head, data.input_ids[rows], data.aux[rows[:, :-1]], p, weight, segments[rows],
+                         cfg.ttt_steps, cfg.step_weight)
+
+
+def unrolled_loss(head: Eagle3Head, batch: torch.Tensor, states: torch.Tensor, p: torch.Tensor, weight: torch.Tensor,
+                  segment: torch.Tensor | None, ttt_steps: int, step_weight: float) -> torch.Tensor:
+    """Step s at position i takes token x[i+s+1] (with the target's states at i for s = 0, else the head's
+    step s-1 output at i), sits at rotary position i+s, and learns the target's distribution p after x[i+s+1]
+    over the draft vocabulary. weight [B, T+1] weighs each label (0: the target's argmax is outside the draft
+    vocabulary); positions past the window, or (with segment ids) in another conversation than i, are masked."""
+    B, T = batch.shape[0], batch.shape[1] - 1
     hidden = head.fc(states[:, :T])                                                     # [B, T, H]
     earlier, total, weights = [], 0.0, 0.0
-    for s in range(min(cfg.ttt_steps, T)):
+    for s in range(min(ttt_steps, T)):
         tokens = torch.cat([batch[:, s + 1:], batch.new_zeros(B, s)], dim=1)            # [B, T]
         p_s = torch.cat([p[:, s + 1:], p.new_zeros(B, s, p.shape[-1])], dim=1)          # [B, T, Vd]
-        valid_s = torch.cat([valid[:, s + 1:], valid.new_zeros(B, s)], dim=1)           # [B, T]
+        w_s = torch.cat([weight[:, s + 1:], weight.new_zeros(B, s)], dim=1)             # [B, T]
+        if segment is not None:
+            same = torch.cat([segment[:, s + 1:] == segment[:, :T - s], segment.new_zeros(B, s, dtype=torch.bool)], dim=1)
+            w_s = w_s * same
         hidden, kv = head.forward_unrolled(tokens, hidden, torch.arange(T) + s, earlier)
         earlier.append(kv)
         log_q = torch.log_softmax(head.draft_logits(hidden).float(), dim=-1)
-        loss = -(p_s * log_q).sum(-1)[valid_s].mean() if valid_s.any() else log_q.sum() * 0
-        total = total + cfg.step_weight ** s * loss
-        weights += cfg.step_weight ** s
+        loss = (-(p_s * log_q).sum(-1) * w_s).sum() / w_s.sum().clamp_min(1.0)
+        total = total + step_weight ** s * loss
+        weights += step_weight ** s
     return total / weights
 
 
@@ -232,6 +290,10 @@ def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/.ckpt")
+    p.add_argument("--data", type=Path, default=None,
+                   help="train on the conversations recorded by `specserve train data` instead of a corpus")
+    p.add_argument("--prompt-weight", type=float, default=d.prompt_weight,
+                   help="with --data: loss weight of prompt positions (answer positions weigh 1)")
     p.set_defaults(func=run_eagle3_command)
 
 
@@ -249,7 +311,8 @@ def run_eagle3_command(args: argparse.Namespace) -> None:
                             ttt_steps=args.ttt_steps, layers=args.layers, init=args.init, batch_size=args.batch_size,
                             seq_len=args.seq_len, lr=args.lr,
                             vocab_tokens=args.vocab_tokens, max_corpus_mb=args.max_corpus_mb,
-                            dtype=parse_dtype(args.dtype), seed=args.seed, resume=args.resume)
+                            dtype=parse_dtype(args.dtype), seed=args.seed, resume=args.resume,
+                            data=args.data, prompt_weight=args.prompt_weight)
     if args.corpus:
         cfg.sources = args.corpus
     print(json.dumps(run_eagle3_training(cfg), indent=2))

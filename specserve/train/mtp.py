@@ -22,6 +22,7 @@ from specserve.models.mtp import MultiTokenPredictor, load_mtp, save_mtp_folder,
 from specserve.models.registry import load_model, parse_dtype
 from specserve.train import evaluate
 from specserve.train.corpus import Corpus, build_corpus, default_sources, split_file
+from specserve.train.data import Conversations, load_conversations
 from specserve.train.demo import chat_texts, encode_documents
 from specserve.train.trainer import StageConfig, train_stage
 
@@ -45,6 +46,8 @@ class MTPTrainConfig:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     resume: bool = False
+    data: Path | None = None              # recorded conversations (`specserve train data`) instead of a corpus
+    prompt_weight: float = 0.3            # with data: loss weight of a prompt position (answer positions: 1)
 
 
 def init_mtp(target: torch.nn.Module, num_layers: int, seed: int) -> MultiTokenPredictor:
@@ -76,6 +79,28 @@ def mtp_outputs(mtp: MultiTokenPredictor, target: torch.nn.Module, input_ids: to
         hidden = mtp(layer, embeds, shift_right(hidden), positions)
         logits.append(mtp.compute_logits(layer, hidden, target).float())
     return target_logits, logits
+
+
+def stored_mtp_loss(mtp: MultiTokenPredictor, target: torch.nn.Module, data: Conversations, rows: torch.Tensor,
+                    reuse_steps: int, prompt_weight: float, reuse_weight: float = 0.5) -> torch.Tensor:
+    """mtp_loss on windows rows [B, T + 1] of recorded conversations: the target's final states are the
+    recorded ones, its next-token distribution the recorded top-k, renormalised (cross-entropy)."""
+    rows = rows[:, :-1]
+    positions = torch.arange(rows.shape[1])
+    with torch.no_grad():
+        hidden = data.final[rows].float()
+        embeds = target.model.embed_tokens(data.input_ids[rows])
+        embeds[:, 0] = 0
+        p = torch.softmax(data.topk_logits[rows], dim=-1)                                  # [B, T, K]
+        weight = torch.where(data.trainable[rows], 1.0, prompt_weight)
+    total = 0.0
+    for depth in range(mtp.num_layers + reuse_steps):
+        layer = min(depth, mtp.num_layers - 1)
+        hidden = mtp(layer, embeds, shift_right(hidden), positions)
+        log_q = F.log_softmax(mtp.compute_logits(layer, hidden, target).float(), dim=-1)
+        ce = -(p * log_q.gather(-1, data.topk_ids[rows])).sum(-1)
+        total = total + (1.0 if depth < mtp.num_layers else reuse_weight) * (ce * weight).sum() / weight.sum()
+    return total
 
 
 def mtp_loss(mtp: MultiTokenPredictor, target: torch.nn.Module, batch: torch.Tensor, reuse_steps: int = 0,
@@ -121,11 +146,16 @@ def training_tokens(cfg: MTPTrainConfig, tokenizer: Tokenizer) -> tuple[torch.Te
 def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     out_dir = cfg.out or cfg.target
     target = load_model(cfg.target, torch.float32).requires_grad_(False)
-    tokens, heldout = training_tokens(cfg, Tokenizer.from_file(str(cfg.target / "tokenizer.json")))
     mtp = init_mtp(target, cfg.num_layers, cfg.seed)
     stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
-    state = train_stage(stage, mtp, lambda batch: mtp_loss(mtp, target, batch, cfg.reuse_steps), tokens,
-                        out_dir / ".ckpt" / "mtp.safetensors", cfg.resume)
+    if cfg.data is None:
+        tokens, heldout = training_tokens(cfg, Tokenizer.from_file(str(cfg.target / "tokenizer.json")))
+        loss_fn = lambda batch: mtp_loss(mtp, target, batch, cfg.reuse_steps)
+    else:
+        data, heldout = load_conversations(cfg.data), None
+        tokens = torch.arange(data.num_tokens, dtype=torch.int32)
+        loss_fn = lambda rows: stored_mtp_loss(mtp, target, data, rows, cfg.reuse_steps, cfg.prompt_weight)
+    state = train_stage(stage, mtp, loss_fn, tokens, out_dir / ".ckpt" / "mtp.safetensors", cfg.resume)
     if cfg.out is None:
         save_mtp_into_checkpoint(mtp, cfg.target, cfg.dtype)
     else:
@@ -133,12 +163,16 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     # measured on the shipped weights, loaded back as the server loads them
     shipped = load_mtp(out_dir, target.config)
     summary = {"num_layers": cfg.num_layers, "reuse_steps": cfg.reuse_steps, "steps": state.step,
-               "train_seconds": state.seconds, "train_tokens": len(tokens),
+               "train_seconds": state.seconds, "minutes": state.seconds / 60, "train_tokens": len(tokens),
+               "tokens_per_step": cfg.batch_size * cfg.seq_len,
                "first_loss": _mean(state.losses[:10]), "last_loss": _mean(state.losses[-50:])}
+    if cfg.data is not None:
+        summary |= {"data": str(cfg.data), "answer_tokens": int(data.trainable.sum()), "prompt_weight": cfg.prompt_weight}
     if heldout is not None and len(heldout) > cfg.seq_len + 1:
         windows = evaluate.windows(heldout, cfg.seq_len, cfg.eval_windows)
         summary["heldout_greedy_agreement_per_depth"] = agreement(shipped, target, windows, max(2, cfg.reuse_steps))
-    summary_path = (cfg.out or cfg.target / ".ckpt") / "mtp_training_summary.json"
+    summary_name = "training_summary.json" if cfg.data is not None else "mtp_training_summary.json"
+    summary_path = (cfg.out or cfg.target / ".ckpt") / summary_name
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -169,6 +203,10 @@ def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--resume", action="store_true", help="continue from the .ckpt folder")
+    p.add_argument("--data", type=Path, default=None,
+                   help="train on the conversations recorded by `specserve train data` instead of a corpus")
+    p.add_argument("--prompt-weight", type=float, default=defaults.prompt_weight,
+                   help="with --data: loss weight of prompt positions (answer positions weigh 1)")
     p.set_defaults(func=run_mtp_command)
 
 
@@ -180,7 +218,7 @@ def run_mtp_command(args: argparse.Namespace) -> None:
                          max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                          reuse_steps=args.reuse_steps,
                          max_corpus_mb=args.max_corpus_mb, dtype=parse_dtype(args.dtype), seed=args.seed,
-                         resume=args.resume)
+                         resume=args.resume, data=args.data, prompt_weight=args.prompt_weight)
     if args.corpus:
         cfg.sources = args.corpus
     start = time.monotonic()

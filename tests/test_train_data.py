@@ -1,0 +1,130 @@
+"""`specserve train data` and the trainers that read it, on the demo model (fast): held-out prompts share no
+source with training ones; recorded states equal an unpadded forward of each conversation; --resume keeps
+finished shards; the EAGLE3, draft and MTP trainers run on recorded data and write folders specserve loads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.config import demo_model_dir
+from specserve.models.config import ModelConfig
+from specserve.models.eagle3 import load_eagle3_head, resolve_aux_layers
+from specserve.models.mtp import load_mtp
+from specserve.models.registry import load_model
+from specserve.spec.factory import drafter_kind
+from specserve.train import data as data_module
+from specserve.train.data import DataConfig, load_conversations, run_data, segment_ids
+from specserve.train.draft import DraftTrainConfig, run_draft_training
+from specserve.train.eagle3 import Eagle3TrainConfig, data_draft_vocabulary, run_eagle3_training
+from specserve.train.mtp import MTPTrainConfig, run_mtp_training
+from specserve.train.prompts import PromptCounts, build_prompts
+
+TINY = PromptCounts(math=3, code=2, explain=1, question=1, prose=2)
+
+
+def test_heldout_prompts_share_no_source_with_training_ones():
+    train, heldout = build_prompts(PromptCounts(math=400, code=400, explain=400, question=400, prose=400))
+    assert {p.kind for p in heldout} >= {"math", "code", "explain", "prose"}
+    modules = lambda ps: {p.source.split(".")[0] for p in ps if p.kind in ("code", "explain", "question")}
+    assert modules(train) and modules(heldout) and not modules(train) & modules(heldout)
+    assert not {p.source for p in train if p.kind == "math"} & {p.source for p in heldout if p.kind == "math"}
+    # held-out passages come after every training passage of the same file
+    for name in ("tinyshakespeare.txt", "sonnet.txt"):
+        lines = lambda ps: [int(p.source.split(":")[1]) for p in ps if p.kind == "prose" and p.source.startswith(name)]
+        if lines(heldout):
+            assert max(lines(train)) < min(lines(heldout))
+    assert not {p.text for p in train} & {p.text for p in heldout}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    cfg = DataConfig(target=demo_model_dir(), out=out, counts=TINY, max_tokens=12, chunk_size=4, top_k=8)
+    run_data(cfg)
+    return cfg
+
+
+def test_recorded_states_equal_an_unpadded_forward(recorded):
+    data = load_conversations(recorded.out)
+    summary = json.loads((recorded.out / "training_summary.json").read_text())
+    assert summary["num_prompts"] == 9 and len(summary["shards"]) == 3 and summary["tokens"] == data.num_tokens
+    assert summary["minutes"] > 0 and summary["answer_tokens"] == int(data.trainable.sum())
+    target = load_model(demo_model_dir(), torch.bfloat16).requires_grad_(False)
+    layers = resolve_aux_layers(None, target.config.num_hidden_layers)
+    assert data.aux_layers == layers
+    for i in range(len(data.seq_starts) - 1):
+        s, e = int(data.seq_starts[i]), int(data.seq_starts[i + 1])
+        ids = data.input_ids[s:e]
+        with torch.no_grad():
+            final, aux = target(ids[None], torch.arange(e - s), None, layers)
+            logits = target.compute_logits(final)[0].float()
+        torch.testing.assert_close(data.final[s:e].float(), final[0].float(), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(data.aux[s:e].float(), torch.cat(aux, -1)[0].float(), atol=0.05, rtol=0.02)
+        assert torch.equal(data.topk_ids[s:e, 0], logits.argmax(-1)) or \
+            (logits.gather(-1, data.topk_ids[s:e, :1]).squeeze(1) >= logits.max(-1).values - 0.1).all()
+        # trainable: the positions whose next token is an answer token (the answer ends the conversation)
+        answer = int(data.trainable[s:e].sum())
+        assert answer >= 1 and data.trainable[e - 1 - answer:e - 1].all() and not data.trainable[e - 1]
+    assert torch.equal(segment_ids(data)[data.seq_starts[1:-1]], torch.arange(1, len(data.seq_starts) - 1))
+
+
+def test_resume_keeps_finished_shards(recorded, monkeypatch):
+    before = {p.name: p.stat().st_mtime_ns for p in recorded.out.glob("shard_*.safetensors")}
+    calls = []
+    monkeypatch.setattr(data_module, "generate_answers", lambda *a, **k: calls.append(a) or ([], []))
+    run_data(DataConfig(target=recorded.target, out=recorded.out, counts=TINY, max_tokens=12, chunk_size=4, top_k=8,
+                        resume=True))
+    assert not calls
+    assert before == {p.name: p.stat().st_mtime_ns for p in recorded.out.glob("shard_*.safetensors")}
+
+
+def test_draft_vocabulary_is_the_most_predicted_tokens(recorded):
+    data = load_conversations(recorded.out)
+    vocab = data_draft_vocabulary(data, 16, 4096)
+    assert len(vocab) == 16 and torch.equal(vocab, vocab.sort().values)
+    counts = torch.bincount(data.topk_ids[:, 0], minlength=4096)
+    assert counts[vocab].min() >= counts[torch.tensor([t for t in range(4096) if t not in set(vocab.tolist())])].max()
+
+
+def test_trainers_run_on_recorded_data(recorded, tmp_path):
+    target_dir = demo_model_dir()
+    target_config = ModelConfig.from_pretrained(target_dir)
+    target = load_model(target_dir, torch.float32)
+    e3 = run_eagle3_training(Eagle3TrainConfig(target=target_dir, out=tmp_path / "eagle3", data=recorded.out,
+                                               max_steps=2, batch_size=2, seq_len=32, draft_vocab_size=256,
+                                               ttt_steps=3))
+    assert drafter_kind(tmp_path / "eagle3") == "eagle3" and e3["steps"] == 2 and e3["draft_vocab_size"] == 256
+    head = load_eagle3_head(tmp_path / "eagle3", target.model.embed_tokens, target_config, torch.float32, "cpu", 64)
+    assert head.config.draft_vocab_size == 256
+    draft = run_draft_training(DraftTrainConfig(target=target_dir, data=recorded.out, out=tmp_path / "draft",
+                                                hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=128,
+                                                max_steps=2, batch_size=2, seq_len=32))
+    assert drafter_kind(tmp_path / "draft") == "draft" and draft["steps"] == 2
+    model = load_model(tmp_path / "draft", torch.float32)
+    assert model.config.vocab_size == target_config.vocab_size and model.config.hidden_size == 64
+    mtp = run_mtp_training(MTPTrainConfig(target=target_dir, out=tmp_path / "mtp", data=recorded.out, max_steps=2,
+                                          batch_size=2, seq_len=32))
+    assert drafter_kind(tmp_path / "mtp") == "mtp" and mtp["steps"] == 2
+    assert load_mtp(tmp_path / "mtp", target.config).num_layers == 1
+    for name in ("eagle3", "draft", "mtp"):
+        summary = json.loads((tmp_path / name / "training_summary.json").read_text())
+        assert summary["minutes"] > 0 and summary["answer_tokens"] > 0
+
+
+def test_draft_distillation_loss_is_the_topk_cross_entropy(recorded):
+    from specserve.train.draft import distill_loss, draft_config, new_draft
+    data = load_conversations(recorded.out)
+    target = load_model(demo_model_dir(), torch.float32)
+    cfg = DraftTrainConfig(target=demo_model_dir(), data=recorded.out, out=recorded.out, hidden_size=64, num_heads=1,
+                           num_kv_heads=1, intermediate_size=128)
+    draft = new_draft(draft_config(cfg, target.config), target, 0)
+    rows = torch.arange(9)[None]
+    loss = distill_loss(draft, data, rows, prompt_weight=1.0)
+    hidden, _ = draft(data.input_ids[:8][None], torch.arange(8))
+    log_q = F.log_softmax(draft.compute_logits(hidden)[0].float(), -1)
+    p = torch.softmax(data.topk_logits[:8], -1)
+    expected = -(p * log_q.gather(-1, data.topk_ids[:8])).sum(-1).mean()
+    torch.testing.assert_close(loss, expected)
