@@ -131,7 +131,7 @@ def machine_key() -> str:
             f"{torch.get_num_threads()} threads")
 
 
-def time_kernels(kernels: dict[str, list[Kernel]], x: torch.Tensor, repeats: int = 3) -> dict[str, float]:
+def time_kernels(kernels: dict[str, list[Kernel]], x: torch.Tensor, repeats: int = 5) -> dict[str, float]:
     """Seconds per product of each kernel, each run over every weight of the group in turn (min of repeats,
     the kernels interleaved so that a change in the machine's load hits all of them)."""
     best = dict.fromkeys(kernels, float("inf"))
