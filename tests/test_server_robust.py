@@ -3,14 +3,13 @@ OpenAI-shaped error, and the server stays healthy and keeps answering the reques
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -450,3 +449,31 @@ def test_max_request_bytes_flag(monkeypatch):
     assert serve_args(["--max-request-bytes", "1000"]).max_request_bytes == 1000
     with pytest.raises(SystemExit):
         serve_args(["--max-request-bytes", "0"])
+
+
+# ---- bounded work: draft tokens count against the step's token budget ----------------------------
+
+def test_draft_tokens_stay_within_the_step_budget(tmp_path, qwen3_dir):
+    """Four decoding sequences asking 8 draft tokens each, under a 12-token budget: each forward holds at
+    most 12 tokens (4 of them the sequences' own), and the greedy output is the unbounded engine's. The
+    drafter is the target itself, so that every step drafts all the slots it is given."""
+    shutil.copytree(qwen3_dir, tmp_path / "draft")
+    config = dict(model=qwen3_dir, kv_cache_memory_gb=0.004, speculative_method="draft", draft_model=tmp_path / "draft",
+                  max_num_seqs=4)
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 12, 13, 12], [20, 21, 22, 20, 21, 22]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_assistant_tokens=8)
+    outputs = []
+    for budget in (12, 2048):
+        engine = LLMEngine(EngineConfig(max_num_batched_tokens=budget, **config))
+        sizes, forward = [], engine.runner.forward
+        engine.runner.forward = lambda items, aux: (sizes.append(sum(len(i.token_ids) for i in items)),
+                                                    forward(items, aux))[1]
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outputs.append([tokens[k] for k in sorted(tokens, key=int)])
+        assert max(sizes) <= 12 if budget == 12 else max(sizes[2:]) > 12, sizes   # [2:]: past the prefill
+    assert outputs[0] == outputs[1]
