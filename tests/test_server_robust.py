@@ -322,6 +322,13 @@ def test_body_parse_errors_get_openai_errors(server, client, body, match):
     assert_serving(server, client)
 
 
+def test_a_body_not_sent_as_json_is_told_so(server):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        response = httpx.post(f"{server.url}{COMPLETIONS}", content=b'{"prompt": "a"}',
+                              headers={"content-type": content_type})
+        assert_openai_error(response, 400, match="Content-Type: application/json")
+
+
 def test_a_deep_unknown_field_is_ignored(server):
     deep = b'{"prompt": "a", "max_tokens": 2, "x": ' + b'[{"y": ' * 400 + b'1' + b'}]' * 400 + b'}'
     assert post(server, COMPLETIONS, deep).status_code == 200

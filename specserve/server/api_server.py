@@ -78,13 +78,15 @@ class ServerState:
         return self.tokenizer.encode(check_text(prompt, "prompt"), add_special_tokens=add_special_tokens)
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:
     """The first error names the parameter; a union's other alternatives follow it."""
     errors = exc.errors()
     err = errors[0]
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", None
+    if not loc and "json" not in content_type.lower():      # FastAPI reads only a body declared as JSON
+        return f"send the body as JSON, with `Content-Type: application/json` (got {content_type or 'none'!r})", None
     if not loc:
         return f"the request body must be a JSON object: {err['msg']}", None
     param = ".".join(loc)
@@ -124,7 +126,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError):
-        return APIError(400, *validation_message(e)).response()
+        return APIError(400, *validation_message(e, request.headers.get("content-type", ""))).response()
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, e: HTTPException):
