@@ -27,10 +27,14 @@ from specserve.engine.llm_engine import RequestError
 from specserve.engine.sequence import Sequence
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
 from specserve.server.metrics import ServerMetrics
+from specserve.server.errors import APIError
 from specserve.server.protocol import (
-    APIError, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-    CompletionResponse, DetokenizeRequest, DetokenizeResponse, GenerationRequest, ModelCard, ModelList,
-    SamplingDefaults, TokenizeRequest, TokenizeResponse, check_text,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest, SamplingDefaults, TokenizeRequest,
+    check_text,
+)
+from specserve.server.responses import (
+    ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ModelCard, ModelList,
+    TokenizeResponse,
 )
 from specserve.server.streaming import MakeChunk, last_output, sse_events, unless_disconnected
 from specserve.tokenizer import flatten_content

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response bodies. The speculative fields sit at the top level of a request,
+"""OpenAI-compatible request bodies (the responses are in responses.py). The speculative fields sit at the top level of a request,
 where the OpenAI SDK's `extra_body` puts them. Unknown fields are accepted and ignored, except those
 we cannot honour (see UNSUPPORTED), which get a 400 rather than a silently different answer.
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable
@@ -17,8 +16,6 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
-from specserve.engine.llm_engine import StepOutput
-from specserve.engine.sequence import Sequence
 from specserve.sampling_params import (
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
 )
@@ -259,145 +256,3 @@ class TokenizeRequest(OpenAIRequest):
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: TokenIds
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-class Usage(BaseModel):
-    """OpenAI's usage plus this request's speculative-decoding statistics."""
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = Field(default_factory=list)
-    num_target_forwards: int = 0
-    mean_acceptance_length: float = 1.0
-
-    @classmethod
-    def from_seq(cls, seq: Sequence) -> Usage:
-        n_out = seq.num_output_tokens
-        return cls(prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
-                   total_tokens=seq.num_prompt_tokens + n_out, **seq.spec.to_dict())
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-    @classmethod
-    def of(cls, request_id: str, model: str, seq: Sequence) -> ChatCompletionResponse:
-        choice = ChatChoice(message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
-                            stop_reason=seq.stop_reason)
-        return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: dict[str, str]                 # {"role": "assistant", "content": ""} first, then {"content": ...}
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-    @classmethod
-    def of(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None):
-        """The chunk of one engine step's output, or (out None) the closing usage chunk."""
-        choices = []
-        if out is not None:
-            choices = [ChatStreamChoice(delta={"content": out.new_text}, **finish_fields(out))]
-        return cls(id=request_id, model=model, choices=choices, usage=usage)
-
-    @classmethod
-    def role(cls, request_id: str, model: str) -> ChatCompletionChunk:
-        """The first chunk of a chat stream, before any text, as OpenAI sends it."""
-        return cls(id=request_id, model=model, choices=[ChatStreamChoice(delta={"role": "assistant", "content": ""})])
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    """A text completion, and (with object unchanged, as OpenAI does) each streamed chunk of one."""
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-    @classmethod
-    def of(cls, request_id: str, model: str, seq: Sequence) -> CompletionResponse:
-        choice = CompletionChoice(text=seq.output_text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
-
-    @classmethod
-    def chunk(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None):
-        choices = [CompletionChoice(text=out.new_text, **finish_fields(out))] if out is not None else []
-        return cls(id=request_id, model=model, choices=choices, usage=usage)
-
-
-def finish_fields(out: StepOutput) -> dict:
-    if not out.finished:
-        return {"finish_reason": None, "stop_reason": None}
-    return {"finish_reason": out.seq.finish_reason, "stop_reason": out.seq.stop_reason}
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "specserve"
-    root: str
-    parent: str | None = None
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

@@ -11,7 +11,8 @@ from starlette.requests import Request
 
 from specserve.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from specserve.engine.llm_engine import StepOutput
-from specserve.server.protocol import APIError, Usage
+from specserve.server.errors import APIError
+from specserve.server.responses import Usage
 
 T = TypeVar("T")
 
