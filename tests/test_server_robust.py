@@ -21,7 +21,7 @@ from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.llm_engine import LLMEngine
 from specserve.llm import LLM
 from specserve.sampling_params import MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
-from specserve.server.api_server import build_app, run_server
+from specserve.server.api_server import build_app, check_dtype_supported, run_server
 from specserve.server.cli import add_serve_parser, resolve_serve_args
 from specserve.spec.eagle3 import MAX_TREE_NODES
 from test_server import LiveServer
@@ -449,6 +449,10 @@ def test_bf16_without_cpu_kernels_cannot_start(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("specserve serve: cannot start: --dtype bfloat16 needs bfloat16 CPU kernels")
     assert "Traceback" not in err
+    for dtype in ("float32", "float16", "auto"):           # only bfloat16 is refused
+        check_dtype_supported(dtype, "cpu")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    check_dtype_supported("bfloat16", "cpu")
 
 
 def test_max_request_bytes_flag(monkeypatch):

@@ -241,18 +241,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
 
 
 def check_dtype_supported(dtype: str, device: str) -> None:
-    """A reduced-precision dtype on a CPU whose oneDNN build has no kernels for it fails deep in the first
-    matrix product; refuse it before loading anything."""
+    """--dtype bfloat16 on a CPU whose oneDNN has no bf16 kernels is refused before anything loads: such a CPU
+    either fails in the first packed product or emulates every bf16 product, far slower than float32."""
     import torch
 
     from specserve.engine.llm_engine import resolve_device
-    if dtype not in ("bfloat16", "float16") or resolve_device(device).type != "cpu":
+    if dtype != "bfloat16" or resolve_device(device).type != "cpu":
         return
-    supported = torch.backends.mkldnn.is_available() and (
-        torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == "bfloat16" else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    if not supported:
-        raise ValueError(f"--dtype {dtype} needs {dtype} CPU kernels, which this CPU lacks (oneDNN reports no "
-                         f"{dtype} support); use --dtype float32, or auto (which picks float32 here)")
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        raise ValueError("--dtype bfloat16 needs bfloat16 CPU kernels, which this CPU lacks (oneDNN reports no "
+                         "bf16 support); use --dtype float32, or auto (which picks float32 here)")
 
 
 def run_server(args: argparse.Namespace) -> None:
