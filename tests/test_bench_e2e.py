@@ -5,14 +5,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("specserve.server.cli", reason="the server (specserve.server) cannot be imported yet")
-
-from specserve.bench.cli import build_parser  # noqa: E402
-from specserve.bench.launch import launched_server  # noqa: E402
-from specserve.bench.serve import run_serve  # noqa: E402
-from specserve.bench.sweep import run_sweep  # noqa: E402
-from specserve.bench.tune import run_tune  # noqa: E402
-from specserve.config import demo_model_dir  # noqa: E402
+from specserve.bench.cli import build_parser
+from specserve.bench.launch import launched_server
+from specserve.bench.serve import run_serve
+from specserve.bench.sweep import run_sweep
+from specserve.bench.tune import run_tune
+from specserve.config import demo_model_dir
+from specserve.server import cli as server_cli  # noqa: F401  (a server that fails to import fails these tests)
 
 # Short sonnet prompts and greedy, EOS-ignoring outputs keep each run to seconds on a CPU.
 PROMPTS = ["--dataset-name", "sonnet", "--sonnet-input-len", "300", "--sonnet-prefix-len", "100",

@@ -60,7 +60,10 @@ def test_greedy_equals_plain_for_every_draft_length(spec_llm, plain):
             single = spec_llm.generate(p, greedy(num_assistant_tokens=k))
             assert ids(single) == [expected[PROMPTS.index(p)]]
         accepted += sum(o.spec["num_accepted_tokens"] for o in outs)
-        assert all(o.spec["num_drafts"] > 0 for o in outs) or spec_llm.engine.spec_method == "ngram"
+        # the draft model drafts at every step; the n-gram cache holds the earlier runs' tokens (the same
+        # outputs), so from the second draft length on every request finds its continuation there
+        if spec_llm.engine.spec_method == "draft" or k > 1:
+            assert all(o.spec["num_drafts"] > 0 and o.spec["num_accepted_tokens"] > 0 for o in outs), f"k={k}"
     assert accepted > 0
 
 
