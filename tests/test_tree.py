@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specserve.layers.sampler import sample_from_probs
-from specserve.spec.tree import Tree, accept_tree, verify_tree, verify_tree_greedy
+from specserve.spec.tree import Tree, accept_tree, path_moves
 
 from stats import assert_samples_from
 
@@ -10,15 +10,30 @@ V = 8
 N = 50_000
 
 
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in index order, the root's under -1."""
+    kids: dict[int, list[int]] = {j: [] for j in range(-1, len(parents))}
+    for j, parent in enumerate(parents):
+        kids[parent].append(j)
+    return kids
+
+
 def reference_walk(y: list[int], tree: Tree, tokens: list[int]) -> tuple[list[int], int]:
     """The rule, literally: from the root, move to the first child carrying the token drawn here."""
-    path, kids, row = [], tree.root_children, 0
+    kids_of = children_of(tree.parents)
+    path, kids, row = [], kids_of[-1], 0
     while True:
         nxt = next((c for c in kids if tokens[c] == y[row]), None)
         if nxt is None:
             return path, y[row]
         path.append(nxt)
-        kids, row = tree.children[nxt], nxt + 1
+        kids, row = kids_of[nxt], nxt + 1
+
+
+def walk(y: torch.Tensor, tree: Tree, tokens: torch.Tensor) -> tuple[list[int], int]:
+    """accept_tree on one row: (accepted node indices from the root down, the final token)."""
+    accepted, final = accept_tree(y[None], tree, tokens[None])
+    return accepted[0].nonzero().squeeze(1).tolist(), int(final[0])
 
 
 #        root
@@ -33,11 +48,8 @@ PARENTS = [-1, -1, 0, 0, 1, 2]
 
 def test_structure_of_a_hand_built_tree():
     tree = Tree(PARENTS)
-    assert tree.num_nodes == 6 and tree.max_depth == 3
+    assert tree.num_nodes == 6
     assert tree.depth.tolist() == [1, 1, 2, 2, 2, 3]
-    assert tree.root_children == [0, 1]
-    assert tree.children == [[2, 3], [4], [5], [], [], []]
-    assert tree.leaf_paths == [[0, 3], [1, 4], [0, 2, 5]]
     assert tree.parent_rows.tolist() == [0, 0, 1, 1, 2, 3]
     assert tree.attn_mask.int().tolist() == [
         [1, 0, 0, 0, 0, 0],
@@ -47,15 +59,29 @@ def test_structure_of_a_hand_built_tree():
         [0, 1, 0, 0, 1, 0],
         [1, 0, 1, 0, 0, 1],
     ]
+    assert tree.earlier_sibling.nonzero().tolist() == [[1, 0], [3, 2]]
 
 
-def test_chain_and_empty_trees():
-    chain = Tree.chain(3)
-    assert chain.parents == [-1, 0, 1] and chain.leaf_paths == [[0, 1, 2]]
-    assert torch.equal(chain.attn_mask, torch.ones(3, 3, dtype=torch.bool).tril())
+def test_the_target_forward_of_a_tree():
+    tree = Tree(PARENTS)
+    assert tree.positions(10) == [10, 11, 11, 12, 12, 12, 13]
+    mask = tree.forward_mask()
+    assert mask.shape == (7, 7) and mask[:, 0].all() and not mask[0, 1:].any()
+    assert torch.equal(mask[1:, 1:], tree.attn_mask)
+
+
+def test_chains_need_no_tree():
+    assert Tree.of(None) is None and Tree.of([]) is None and Tree.of([-1, 0, 1]) is None
+    assert Tree.of([-1, -1]).parents == [-1, -1]
+    assert torch.equal(Tree([-1, 0, 1]).attn_mask, torch.ones(3, 3, dtype=torch.bool).tril())
     empty = Tree([])
-    assert empty.num_nodes == 0 and empty.leaf_paths == [] and empty.max_depth == 0
-    assert verify_tree_greedy(torch.tensor([4]), empty, torch.empty(0, dtype=torch.long)) == ([], 4)
+    assert empty.num_nodes == 0 and walk(torch.tensor([4]), empty, torch.empty(0, dtype=torch.long)) == ([], 4)
+
+
+def test_path_moves_compact_the_accepted_path():
+    assert path_moves(20, [0, 2, 5]) == ([20, 22, 25], [20, 21, 22])
+    assert path_moves(20, [0, 1]) is None and path_moves(20, []) is None
+    assert path_moves(7, [1]) == ([8], [7])
 
 
 @pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, -2], [-1, 0, 3]])
@@ -64,7 +90,7 @@ def test_invalid_parents_rejected(parents):
         Tree(parents)
 
 
-def test_verify_tree_greedy_hand_cases():
+def test_accept_tree_hand_cases():
     tree = Tree(PARENTS)
     tokens = torch.tensor([10, 11, 12, 13, 14, 15])
     # rows of the argmax: root, after node 0, ..., after node 5
@@ -76,13 +102,13 @@ def test_verify_tree_greedy_hand_cases():
         ([42, 12, 9, 9, 9, 9, 9], ([], 42)),         # nothing accepted
     ]
     for argmax, want in cases:
-        assert verify_tree_greedy(torch.tensor(argmax), tree, tokens) == want
+        assert walk(torch.tensor(argmax), tree, tokens) == want
 
 
 def test_duplicate_sibling_tokens_enter_the_first_only():
     tree = Tree([-1, -1, 1])
     tokens = torch.tensor([5, 5, 6])
-    assert verify_tree_greedy(torch.tensor([5, 6, 6, 1]), tree, tokens) == ([0], 6)
+    assert walk(torch.tensor([5, 6, 6, 1]), tree, tokens) == ([0], 6)
 
 
 def test_accept_tree_is_the_walk_on_random_trees():
@@ -100,19 +126,19 @@ def test_accept_tree_is_the_walk_on_random_trees():
             assert accepted[b].nonzero().squeeze(1).tolist() == path and int(final[b]) == last
 
 
-def test_verify_tree_draws_row_by_row_with_its_uniform():
+def test_sampled_rows_walk_the_tree():
     gen = torch.Generator().manual_seed(1)
     tree = Tree(PARENTS)
     for _ in range(50):
         p = torch.softmax(torch.randn(7, 4, generator=gen) * 2, dim=-1)
         tokens = torch.randint(0, 4, (6,), generator=gen)
         u = torch.rand(7, generator=gen, dtype=torch.float64)
-        y = sample_from_probs(p, u).tolist()
-        assert verify_tree(p, tree, tokens, u) == reference_walk(y, tree, tokens.tolist())
-        # one-hot rows (greedy) reduce to verify_tree_greedy
+        y = sample_from_probs(p, u)
+        assert walk(y, tree, tokens) == reference_walk(y.tolist(), tree, tokens.tolist())
+        # one-hot rows (greedy) draw the argmax
         argmax = p.argmax(-1)
         one_hot = torch.nn.functional.one_hot(argmax, 4).float()
-        assert verify_tree(one_hot, tree, tokens, u) == verify_tree_greedy(argmax, tree, tokens)
+        assert walk(sample_from_probs(one_hot, u), tree, tokens) == walk(argmax, tree, tokens)
 
 
 def test_emitted_tokens_follow_the_target():
@@ -133,7 +159,7 @@ def test_emitted_tokens_follow_the_target():
     emitted = torch.cat([tokens, torch.tensor([-1])])[nodes]               # [N, n]
     emitted = emitted.scatter(1, num[:, None], final[:, None])
     assert_samples_from(emitted[:, 0], p[0])
-    for node in tree.root_children:
+    for node in children_of(PARENTS)[-1]:
         rows = emitted[:, 0] == tokens[node]
         assert rows.sum() > 5_000
         assert_samples_from(emitted[rows, 1], p[node + 1])

@@ -13,13 +13,13 @@ from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_byt
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, SpecStats
 from specserve.engine.stop_checker import append_tokens
-from specserve.engine.verifier import DraftOf, verify_step
+from specserve.engine.verifier import Verified, verify_step
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
 from specserve.spec.proposer import Draft, TargetHidden
-from specserve.spec.tree import Tree
+from specserve.spec.tree import path_moves
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -226,70 +226,44 @@ class LLMEngine:
         draft = self.propose(scheduled)
         items = self.prepare(scheduled, draft)
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers if self.proposer else ())
-        tokens, committed_rows = self.verify(scheduled, draft, hidden)
-        outputs = self.postprocess(scheduled, draft, tokens)
+        verified = self.verify(scheduled, draft, hidden)
+        outputs = self.postprocess(scheduled, draft, verified.tokens)
         if self.proposer is not None:
-            self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, committed_rows))
+            self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         for s in scheduled:
             self._register(s.seq)
         return outputs
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> dict[int, DraftOf]:
-        """Each drafted sequence's draft, by its index in scheduled."""
+    def propose(self, scheduled: list[ScheduledSeq]) -> Draft:
+        """The step's draft: one row per scheduled sequence, empty where it drafts nothing."""
         wants = [i for i, s in enumerate(scheduled) if s.lookahead > 0]
         if not wants:
-            return {}
-        draft: Draft = self.proposer.propose([scheduled[i].seq for i in wants],
-                                             [scheduled[i].lookahead for i in wants], None)
-        out = {}
-        for j, i in enumerate(wants):
-            ids = list(draft.token_ids[j][:scheduled[i].lookahead])
-            if not ids:
-                continue
-            q = draft.probs[j, :len(ids)] if draft.probs is not None else None
-            tree = None
-            if draft.parents is not None and draft.parents[j] is not None:
-                parents = draft.parents[j][:len(ids)]
-                if parents != list(range(-1, len(ids) - 1)):       # a chain needs no tree
-                    tree = Tree(parents)
-            out[i] = DraftOf(ids, q, tree)
-        return out
+            return Draft.nothing(len(scheduled))
+        limits = [scheduled[i].lookahead for i in wants]
+        draft = self.proposer.propose([scheduled[i].seq for i in wants], limits, None)
+        return draft.for_batch(wants, len(scheduled), limits)
 
-    def prepare(self, scheduled: list[ScheduledSeq], draft: dict[int, DraftOf]) -> list[ForwardItem]:
+    def prepare(self, scheduled: list[ScheduledSeq], draft: Draft) -> list[ForwardItem]:
         items = []
         for i, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
-            ids = seq.token_ids[start:start + s.num_new]
-            d = draft.get(i)
-            if d is None:
+            ids = seq.token_ids[start:start + s.num_new] + draft.token_ids[i]
+            tree = draft.trees[i]
+            if tree is None:
                 items.append(ForwardItem(seq.block_table, start, ids))
-            elif d.tree is None:
-                items.append(ForwardItem(seq.block_table, start, ids + d.token_ids))
             else:   # the last token, then the nodes: positions by depth, each node sees its ancestors
-                n = len(d.token_ids)
-                mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-                mask[:, 0] = True
-                mask[1:, 1:] = d.tree.attn_mask
-                positions = [start] + (start + d.tree.depth).tolist()
-                items.append(ForwardItem(seq.block_table, start, ids + d.token_ids, positions, mask))
+                items.append(ForwardItem(seq.block_table, start, ids, tree.positions(start), tree.forward_mask()))
         return items
 
-    def verify(self, scheduled: list[ScheduledSeq], draft: dict[int, DraftOf], hidden: torch.Tensor):
-        tokens, committed, paths = verify_step(scheduled, draft, hidden, self.model.compute_logits)
-        for i, path in paths.items():
+    def verify(self, scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tensor) -> Verified:
+        verified = verify_step(scheduled, draft, hidden, self.model.compute_logits)
+        for i, path in verified.paths.items():
             s = scheduled[i]
-            self._compact_path(s.seq, s.seq.num_computed_tokens + s.num_new, path)
-        return tokens, committed
+            if moves := path_moves(s.seq.num_computed_tokens + s.num_new, path):
+                self.runner.move_kv(s.seq.block_table, *moves)
+        return verified
 
-    def _compact_path(self, seq: Sequence, first_node: int, path: list[int]) -> None:
-        """Move the accepted nodes' K/V from their tree slots to consecutive ones; the other branches'
-        entries are left behind, past the sequence's length, to be overwritten."""
-        src = [first_node + j for j in path]
-        dst = list(range(first_node, first_node + len(path)))
-        if src != dst:
-            self.runner.move_kv(seq.block_table, src, dst)
-
-    def postprocess(self, scheduled: list[ScheduledSeq], draft: dict, tokens: list[list[int] | None]) -> list[StepOutput]:
+    def postprocess(self, scheduled: list[ScheduledSeq], draft: Draft, tokens: list[list[int] | None]) -> list[StepOutput]:
         outputs = []
         now = time.perf_counter()
         for i, s in enumerate(scheduled):
@@ -297,9 +271,8 @@ class LLMEngine:
             if new is None:                    # a prompt chunk: nothing sampled yet
                 seq.num_computed_tokens += s.num_new
                 continue
-            num_draft = len(draft[i].token_ids) if i in draft else 0
             seq.spec.num_target_forwards += 1
-            seq.spec.record(num_draft, len(new) - 1)
+            seq.spec.record(len(draft.token_ids[i]), len(new) - 1)
             seq.num_computed_tokens += s.num_new + len(new) - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -1,4 +1,9 @@
-"""One step's verification: from the target's hidden states to the tokens each sequence commits."""
+"""One step's verification: from the target's hidden states to the tokens each sequence commits.
+
+Four small steps, each a function of tensors and lists: gather the rows to sample (`gather_rows`),
+draw the target at them (`draw_target`), accept each draft by its kind (`accept_chains`,
+`accept_tree_draft`), and name the rows whose tokens were committed (`committed_rows`).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,96 +13,135 @@ import torch
 from specserve.engine.scheduler import ScheduledSeq
 from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
+from specserve.spec.proposer import Draft
 from specserve.spec.tree import Tree, accept_tree
 from specserve.spec.verify import verify_greedy, verify_rejection
 
 
 @dataclass(slots=True)
-class DraftOf:
-    """One sequence's draft in one step: its tokens, q rows when sampled, its tree when not a chain."""
-    token_ids: list[int]
-    probs: torch.Tensor | None = None      # [k, V]
-    tree: Tree | None = None
+class Verified:
+    """One step's verification, by scheduled index."""
+    tokens: list[list[int] | None]     # the tokens each sequence commits; None mid-prompt
+    rows: list[list[int]]              # the rows of hidden whose tokens were committed, in token order
+    paths: dict[int, list[int]]        # the accepted node path of each tree draft
 
 
-def verify_step(scheduled: list[ScheduledSeq], draft: dict[int, DraftOf], hidden: torch.Tensor, compute_logits
-                ) -> tuple[list[list[int] | None], list[list[int]], dict[int, list[int]]]:
-    """The target's hidden states -> (committed tokens per scheduled sequence, None mid-prompt; the rows of
-    hidden whose tokens were committed; the accepted node path of each tree draft, by scheduled index).
+@dataclass(slots=True)
+class SampleRows:
+    """Where the flat hidden states of one step are sampled."""
+    seqs: list[int]                    # scheduled indices of the sequences that sample (prompt complete)
+    rows: list[list[int]]              # for each of them: its last token's row, then one per draft token
+    offsets: list[int]                 # for every scheduled sequence: its first row
 
-    Logits are computed only at sampling rows. Greedy rows take the argmax; sampled rows draw from
-    compute_probs with the uniform of the sequence position each row's token would take. Chains are
-    accepted while the draft equals the target's draw (exact for deterministic drafts); chains sampled
-    from q use the rejection rule instead; trees follow the child that matches the target's draw.
-    """
-    sample_idx, rows, offset, row_offsets = [], [], 0, []
-    for i, s in enumerate(scheduled):
-        n = s.num_new + (len(draft[i].token_ids) if i in draft else 0)
-        row_offsets.append(offset)
-        if s.completes_prompt:
-            sample_idx.append(i)
-            rows.append(list(range(offset + s.num_new - 1, offset + n)))
-        offset += n
+
+def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tensor, compute_logits) -> Verified:
+    """The target's hidden states [N, H] -> the tokens each scheduled sequence commits (draft: one row per
+    scheduled sequence). Logits are computed only at sampling rows."""
+    where = gather_rows(scheduled, draft)
     tokens: list[list[int] | None] = [None] * len(scheduled)
     paths: dict[int, list[int]] = {}
-    if sample_idx:
-        B, K = len(sample_idx), max(len(r) for r in rows) - 1
-        pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in rows], device=hidden.device)  # [B, K+1]
+    if where.seqs:
+        K = max(len(r) for r in where.rows) - 1
+        pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in where.rows], device=hidden.device)  # [B, K+1]
         logits = compute_logits(hidden[pad.view(-1)])                                  # [B*(K+1), V]
-        seqs = [scheduled[i].seq for i in sample_idx]
-        drafts = [draft.get(i) for i in sample_idx]
-        if all(seq.params.greedy for seq in seqs):
-            y = logits.float().view(B, K + 1, -1).argmax(dim=-1).cpu()   # [B, K+1]; fp32: bf16 argmax is slow
-            p = None
-        else:
-            p = compute_probs(logits, *sampling_tensors(seqs, K + 1, logits.device)).view(B, K + 1, -1).cpu()
-            # the uniform of a row is the one of the sequence position its token would take
-            depth = [d.tree.depth.tolist() if d is not None and d.tree is not None else list(range(1, K + 1))
-                     for d in drafts]
-            positions = [[len(seq)] + [len(seq) + x for x in dep] + [len(seq)] * (K - len(dep))
-                         for seq, dep in zip(seqs, depth)]
-            u = position_uniforms([seq.seed for seq in seqs], positions)                          # [B, K+1]
-            y = sample_from_probs(p.view(B * (K + 1), -1), u.view(-1)).view(B, K + 1)
-        chain = [b for b, d in enumerate(drafts) if d is None or d.tree is None]
-        sampled_q = [b for b in chain if drafts[b] is not None and drafts[b].probs is not None and p is not None]
-        if K == 0:      # no drafts this step: each row's draw is its token
-            for b, token in enumerate(y[:, 0].tolist()):
-                tokens[sample_idx[b]] = [token]
-        elif chain:
-            draft_tokens = torch.tensor([(drafts[b].token_ids if drafts[b] else []) + [0] * (K - len(rows[b]) + 1)
-                                         for b in chain], dtype=torch.int64).view(len(chain), K)
-            num_draft = torch.tensor([len(rows[b]) - 1 for b in chain])
-            out, num = verify_greedy(y[chain], draft_tokens, num_draft)
-            if sampled_q:   # drafts sampled from q: the rejection rule (Leviathan et al.) on those rows
-                sub = [chain.index(b) for b in sampled_q]
-                q = torch.zeros(len(sampled_q), K, p.shape[-1])
-                for r, b in enumerate(sampled_q):
-                    q[r, :len(drafts[b].token_ids)] = drafts[b].probs[:, :p.shape[-1]].cpu()
-                seeds = [seqs[b].seed for b in sampled_q]
-                starts = [[len(seqs[b]) + j for j in range(K + 1)] for b in sampled_q]
-                u_accept = position_uniforms(seeds, [s[:K] for s in starts], stream=1)
-                u_sample = position_uniforms(seeds, starts)
-                out_q, num_q = verify_rejection(p[sampled_q], draft_tokens[sub], num_draft[sub], q, u_accept, u_sample)
-                out[sub], num[sub] = out_q, num_q
-            out, num = out.tolist(), num.tolist()
-            for r, b in enumerate(chain):
-                tokens[sample_idx[b]] = out[r][:num[r]]
-        for b, d in enumerate(drafts):
-            if d is not None and d.tree is not None:
-                n = len(d.token_ids)
-                accepted, final = accept_tree(y[b:b + 1, :n + 1], d.tree, torch.tensor([d.token_ids]))
-                path = accepted[0].nonzero().squeeze(1).tolist()
-                tokens[sample_idx[b]] = [d.token_ids[j] for j in path] + [int(final[0])]
-                paths[sample_idx[b]] = path
-    committed = []
+        seqs = [scheduled[i].seq for i in where.seqs]
+        trees = [draft.trees[i] for i in where.seqs]
+        y, p = draw_target(logits, seqs, trees, K)
+        chain = [b for b, tree in enumerate(trees) if tree is None]
+        if chain:
+            ids = [draft.token_ids[where.seqs[b]] for b in chain]
+            qs = [draft.probs[where.seqs[b], :len(d)] if draft.probs is not None and d else None
+                  for b, d in zip(chain, ids)]
+            every = len(chain) == len(seqs)            # the common case: no copy of y and p
+            y_c = y if every else y[chain]
+            p_c = p if every or p is None else p[chain]
+            for b, accepted in zip(chain, accept_chains(y_c, p_c, ids, qs, [seqs[b] for b in chain])):
+                tokens[where.seqs[b]] = accepted
+        for b, tree in enumerate(trees):
+            if tree is not None:
+                i = where.seqs[b]
+                tokens[i], paths[i] = accept_tree_draft(y[b], tree, draft.token_ids[i])
+    return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths)
+
+
+def gather_rows(scheduled: list[ScheduledSeq], draft: Draft) -> SampleRows:
+    """A sequence's rows are its new tokens, then its draft tokens; one whose prompt completes samples
+    at its last new token and at every draft token."""
+    seqs, rows, offsets, offset = [], [], [], 0
     for i, s in enumerate(scheduled):
-        base = row_offsets[i]
-        if i in paths:   # tree: the last token, then the accepted path's nodes
-            committed.append(list(range(base, base + s.num_new)) + [base + s.num_new + j for j in paths[i]])
+        n = s.num_new + len(draft.token_ids[i])
+        offsets.append(offset)
+        if s.completes_prompt:
+            seqs.append(i)
+            rows.append(list(range(offset + s.num_new - 1, offset + n)))
+        offset += n
+    return SampleRows(seqs, rows, offsets)
+
+
+def draw_target(logits: torch.Tensor, seqs: list[Sequence], trees: list[Tree | None], K: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B*(K+1), V] -> (y [B, K+1], the target's draw at every row; p [B, K+1, V], or None when every
+    sequence is greedy). Greedy takes the argmax; sampling draws from compute_probs with the uniform of the
+    sequence position the row's token would take (a tree node's: by its depth)."""
+    B = len(seqs)
+    if all(seq.params.greedy for seq in seqs):
+        return logits.float().view(B, K + 1, -1).argmax(dim=-1).cpu(), None   # fp32: bf16 argmax is slow
+    p = compute_probs(logits, *sampling_tensors(seqs, K + 1, logits.device)).view(B, K + 1, -1).cpu()
+    depths = [tree.depth.tolist() if tree is not None else list(range(1, K + 1)) for tree in trees]
+    positions = [[len(seq)] + [len(seq) + x for x in dep] + [len(seq)] * (K - len(dep))
+                 for seq, dep in zip(seqs, depths)]
+    u = position_uniforms([seq.seed for seq in seqs], positions)                              # [B, K+1]
+    return sample_from_probs(p.view(B * (K + 1), -1), u.view(-1)).view(B, K + 1), p
+
+
+def accept_chains(y: torch.Tensor, p: torch.Tensor | None, drafts: list[list[int]], qs: list[torch.Tensor | None],
+                  seqs: list[Sequence]) -> list[list[int]]:
+    """Chain drafts (possibly empty) -> the tokens each commits. y [C, K+1] and p [C, K+1, V] (None: greedy) from
+    draw_target; qs[c] [len(drafts[c]), V'] when drafts[c] was sampled from q. A draft is accepted while it equals
+    the target's draw (exact for deterministic drafts); one sampled from q takes the rejection rule instead."""
+    C, K = y.shape[0], y.shape[1] - 1
+    if K == 0:                         # no drafts this step: each row's draw is its token
+        return [[token] for token in y[:, 0].tolist()]
+    draft_tokens = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.int64).view(C, K)
+    num_draft = torch.tensor([len(d) for d in drafts])
+    out, num = verify_greedy(y, draft_tokens, num_draft)
+    sampled_q = [c for c, q in enumerate(qs) if q is not None and p is not None]
+    if sampled_q:                      # the rejection rule (Leviathan et al.) on those rows
+        q = torch.zeros(len(sampled_q), K, p.shape[-1])
+        for r, c in enumerate(sampled_q):
+            q[r, :len(drafts[c])] = qs[c][:, :p.shape[-1]].cpu()
+        seeds = [seqs[c].seed for c in sampled_q]
+        starts = [[len(seqs[c]) + j for j in range(K + 1)] for c in sampled_q]
+        u_accept = position_uniforms(seeds, [s[:K] for s in starts], stream=1)
+        u_sample = position_uniforms(seeds, starts)
+        out_q, num_q = verify_rejection(p[sampled_q], draft_tokens[sampled_q], num_draft[sampled_q], q,
+                                        u_accept, u_sample)
+        out[sampled_q], num[sampled_q] = out_q, num_q
+    return [row[:n] for row, n in zip(out.tolist(), num.tolist())]
+
+
+def accept_tree_draft(y: torch.Tensor, tree: Tree, token_ids: list[int]) -> tuple[list[int], list[int]]:
+    """y [>= n+1], the target's draws at the root and after each node -> (the tokens committed: the accepted
+    path's, then the target's draw at its end; the path's node indices from the root down)."""
+    n = len(token_ids)
+    accepted, final = accept_tree(y[None, :n + 1], tree, torch.tensor([token_ids]))
+    path = accepted[0].nonzero().squeeze(1).tolist()
+    return [token_ids[j] for j in path] + [int(final[0])], path
+
+
+def committed_rows(scheduled: list[ScheduledSeq], offsets: list[int], tokens: list[list[int] | None],
+                   paths: dict[int, list[int]]) -> list[list[int]]:
+    """The rows of hidden whose tokens each sequence committed: its new tokens, then a chain's accepted
+    draft tokens (all but the last committed token, which has no row yet) or a tree's accepted path."""
+    rows = []
+    for i, s in enumerate(scheduled):
+        base = offsets[i]
+        if i in paths:
+            rows.append(list(range(base, base + s.num_new)) + [base + s.num_new + j for j in paths[i]])
         else:
             num_valid = s.num_new + (len(tokens[i]) - 1 if tokens[i] else 0)
-            committed.append(list(range(base, base + num_valid)))
-    return tokens, committed, paths
+            rows.append(list(range(base, base + num_valid)))
+    return rows
 
 
 def sampling_tensors(seqs: list[Sequence], rows_each: int, device) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.spec.tree import Tree
+
 if TYPE_CHECKING:
     from specserve.engine.sequence import Sequence
     from specserve.sampling_params import SamplingParams
@@ -17,22 +19,39 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Draft:
-    """One step's draft for a batch of sequences.
+    """One step's draft for a batch of sequences, from the proposer to verification.
 
     token_ids[i] are the draft tokens of sequence i (possibly empty). For a chain, token j follows
     token j-1; for a tree, parents[i][j] is the index of node j's parent in token_ids[i], -1 for a
     child of the last committed token (the root). probs, when the drafter sampled its tokens, holds
     q: probs[i, j] is the distribution node j was drawn from, over the target vocabulary
     (shape [B, K, V], rows past len(token_ids[i]) unused). None means deterministic drafts
-    (verification treats them as one-hot q).
+    (verification treats them as one-hot q). trees[i] is the Tree of a tree-shaped row, None for a
+    chain; the engine derives it once per step (`for_batch`), a proposer leaves it unset.
     """
     token_ids: list[list[int]]
     probs: torch.Tensor | None = None          # [B, K, V] float32
-    parents: list[list[int]] | None = None     # tree drafts only
+    parents: list[list[int] | None] | None = None   # tree drafts only
+    trees: list[Tree | None] | None = None
 
-    @property
-    def is_tree(self) -> bool:
-        return self.parents is not None
+    @classmethod
+    def nothing(cls, batch_size: int) -> Draft:
+        return cls([[] for _ in range(batch_size)], trees=[None] * batch_size)
+
+    def for_batch(self, rows: list[int], batch_size: int, limits: list[int]) -> Draft:
+        """This draft of the sequences at `rows` of a batch, as the whole batch's draft: row rows[j] holds
+        sequence j's tokens cut to limits[j], its q and its tree (None for a chain); other rows draft nothing."""
+        out = Draft.nothing(batch_size)
+        out.parents = [None] * batch_size
+        for j, (i, limit) in enumerate(zip(rows, limits)):
+            ids = out.token_ids[i] = list(self.token_ids[j][:limit])
+            if ids and self.parents is not None and self.parents[j] is not None:
+                out.trees[i] = Tree.of(self.parents[j][:len(ids)])
+                out.parents[i] = None if out.trees[i] is None else out.trees[i].parents
+        if self.probs is not None:
+            out.probs = self.probs.new_zeros(batch_size, *self.probs.shape[1:])
+            out.probs[rows] = self.probs
+        return out
 
 
 @dataclass(slots=True)
