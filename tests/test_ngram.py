@@ -149,7 +149,7 @@ def make_seq(tokens: list[int], **params) -> Sequence:
 
 def test_proposer_drafts_at_most_num_tokens():
     seqs = [make_seq([1, 2, 3, 4, 5, 6, 1, 2]), make_seq([9, 8, 7]), make_seq([4, 5, 0, 4, 5])]
-    draft = NgramProposer().propose(seqs, [2, 3, 5], None)
+    draft = NgramProposer().propose(seqs, [2, 3, 5])
     assert draft.token_ids == [[3, 4], [], [0, 4, 5]]
     assert draft.probs is None and draft.parents is None
 
@@ -157,26 +157,26 @@ def test_proposer_drafts_at_most_num_tokens():
 def test_proposer_follows_growing_and_shrinking_sequences():
     proposer = NgramProposer(use_cache=False)
     seq = make_seq([1, 2, 3, 4])
-    assert proposer.propose([seq], [3], None).token_ids == [[]]
+    assert proposer.propose([seq], [3]).token_ids == [[]]
     seq.token_ids += [1, 2]
-    assert proposer.propose([seq], [3], None).token_ids == [[3, 4, 1]]
+    assert proposer.propose([seq], [3]).token_ids == [[3, 4, 1]]
     seq.token_ids += [3, 9, 1, 2]
-    assert proposer.propose([seq], [3], None).token_ids == [[3, 9, 1]]
+    assert proposer.propose([seq], [3]).token_ids == [[3, 9, 1]]
     del seq.token_ids[-3:]                             # shorter: [1, 2, 3, 4, 1, 2, 3]
-    assert proposer.propose([seq], [3], None).token_ids == [[4, 1, 2]]
+    assert proposer.propose([seq], [3]).token_ids == [[4, 1, 2]]
     seq.token_ids[-1] = 5                              # same length, rewritten: [..., 1, 2, 5]
-    assert proposer.propose([seq], [3], None).token_ids == [[]]
+    assert proposer.propose([seq], [3]).token_ids == [[]]
     for _ in range(40):                                # buffer regrows many times
         seq.token_ids += [7, 8]
-    assert proposer.propose([seq], [2], None).token_ids == [[7, 8]]
+    assert proposer.propose([seq], [2]).token_ids == [[7, 8]]
 
 
 def test_request_lookup_range_overrides_proposer():
     tokens = [1, 2, 3, 7, 8, 5, 3, 9, 4, 1, 2, 3]
     proposer = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4, use_cache=False)
-    assert proposer.propose([make_seq(tokens)], [1], None).token_ids == [[7]]
-    assert proposer.propose([make_seq(tokens, prompt_lookup_min=1, prompt_lookup_max=1)], [1], None).token_ids == [[9]]
-    assert proposer.propose([make_seq(tokens, prompt_lookup_min=5)], [1], None).token_ids == [[]]
+    assert proposer.propose([make_seq(tokens)], [1]).token_ids == [[7]]
+    assert proposer.propose([make_seq(tokens, prompt_lookup_min=1, prompt_lookup_max=1)], [1]).token_ids == [[9]]
+    assert proposer.propose([make_seq(tokens, prompt_lookup_min=5)], [1]).token_ids == [[]]
     assert proposer.lookup_range(SamplingParams(prompt_lookup_min=5)) == (5, 5)
     assert proposer.lookup_range(SamplingParams(prompt_lookup_max=1)) == (1, 1)
 
@@ -187,20 +187,20 @@ def test_cache_used_only_when_context_has_no_match():
     proposer = NgramProposer(cache=cache)
     in_context = make_seq([41, 42, 50, 51, 41, 42])    # context match [50, 51] wins over cache [43]
     no_match = make_seq([7, 41])
-    assert proposer.propose([in_context, no_match], [2, 2], None).token_ids == [[50, 51], [42, 43]]
+    assert proposer.propose([in_context, no_match], [2, 2]).token_ids == [[50, 51], [42, 43]]
     without_cache = NgramProposer(use_cache=False, cache=cache)
-    assert without_cache.propose([no_match], [2], None).token_ids == [[]]
+    assert without_cache.propose([no_match], [2]).token_ids == [[]]
 
 
 def test_on_finished_feeds_cache_unless_aborted():
     proposer = NgramProposer()
     finished, aborted = make_seq([1, 2, 3]), make_seq([4, 5, 6])
-    proposer.propose([finished, aborted], [1, 1], None)
+    proposer.propose([finished, aborted], [1, 1])
     finished.finish_reason, aborted.finish_reason = "length", "abort"
     proposer.on_finished(finished)
     proposer.on_finished(aborted)
     assert not proposer._buffers
-    assert proposer.propose([make_seq([0, 2]), make_seq([0, 5])], [2, 2], None).token_ids == [[3], []]
+    assert proposer.propose([make_seq([0, 2]), make_seq([0, 5])], [2, 2]).token_ids == [[3], []]
     proposer.on_finished(make_seq([1]))                # never proposed for: nothing to drop
 
 
@@ -210,6 +210,6 @@ def test_proposer_invalid_params_raise():
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
-        NgramProposer().propose([make_seq([1, 2], prompt_lookup_min=3, prompt_lookup_max=2)], [1], None)
+        NgramProposer().propose([make_seq([1, 2], prompt_lookup_min=3, prompt_lookup_max=2)], [1])
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        NgramProposer().propose([make_seq([1, 2], prompt_lookup_min=0)], [1], None)
+        NgramProposer().propose([make_seq([1, 2], prompt_lookup_min=0)], [1])

@@ -32,8 +32,8 @@ class BranchingDraft(DraftModelProposer):
                 self.pending[seq.seq_id] = (start, match + 1)
         super().on_target_forward(seqs, hidden)
 
-    def propose(self, seqs, num_tokens, hidden):
-        chains = super().propose(seqs, num_tokens, hidden).token_ids
+    def propose(self, seqs, num_tokens):
+        chains = super().propose(seqs, num_tokens).token_ids
         for seq, chain in zip(seqs, chains):
             self.chains[seq.seq_id] = (len(seq), chain)
         token_ids, parents = [], []

@@ -7,7 +7,7 @@ from specserve.engine.verifier import (accept_chains, accept_tree_draft, committ
                                        verify_step)
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import SamplingParams
-from specserve.spec.proposer import Draft
+from specserve.spec.proposer import Draft, NoProposer
 from specserve.spec.tree import Tree
 
 V = 6
@@ -116,3 +116,23 @@ def test_verify_step_end_to_end():
     assert verified.tokens == [None, [4, 0], [2]]
     assert verified.rows == [[0, 1, 2], [3, 4], [6, 7]]
     assert verified.paths == {}
+
+
+def test_draft_for_batch_places_rows_cuts_them_and_derives_trees():
+    probs = torch.rand(2, 3, V)
+    draft = Draft([[1, 2, 3], [4, 5, 6]], probs, [[-1, -1, 0], [-1, 0, 1]])
+    batch = draft.for_batch([1, 3], 4, [2, 3])
+    assert batch.token_ids == [[], [1, 2], [], [4, 5, 6]]
+    assert batch.trees[0] is None and batch.trees[3] is None             # no draft; a chain needs no tree
+    assert batch.trees[1].parents == [-1, -1] and batch.parents == [None, [-1, -1], None, None]
+    assert torch.equal(batch.probs[1], probs[0]) and torch.equal(batch.probs[3], probs[1])
+    assert not batch.probs[0].any() and not batch.probs[2].any()
+    nothing = Draft([[7], []]).for_batch([0, 1], 2, [0, 4])
+    assert nothing.token_ids == [[], []] and nothing.trees == [None, None] and nothing.probs is None
+
+
+def test_no_proposer_drafts_nothing():
+    proposer = NoProposer()
+    assert proposer.num_draft_tokens(SamplingParams(num_assistant_tokens=5)) == 0
+    assert proposer.propose([seq_of([1], 0)], [3]).token_ids == [[]]
+    assert proposer.aux_layers == () and not proposer.uses_kv_cache and not proposer.supports_tree

@@ -18,7 +18,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
-from specserve.spec.proposer import Draft, TargetHidden
+from specserve.spec.proposer import Draft, NoProposer, Proposer, TargetHidden
 from specserve.spec.tree import path_moves
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -92,7 +92,8 @@ class LLMEngine:
         for name in SpecDefaults.__slots__:
             if getattr(config, name) is not None:
                 setattr(self.spec_defaults, name, getattr(config, name))
-        self.proposer, self.spec_method, drafter_bytes_per_token = build_proposer(config, self)
+        proposer, self.spec_method, drafter_bytes_per_token = build_proposer(config, self)
+        self.proposer: Proposer = proposer if proposer is not None else NoProposer()
         mc = self.model_config
         target_bytes = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
                                                 self.device)
@@ -104,8 +105,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                   num_blocks, config.block_size, self.dtype, self.device)
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        if self.proposer is not None:
-            self.proposer.bind(self)
+        self.proposer.bind(self)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
         # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
@@ -131,18 +131,17 @@ class LLMEngine:
             raise RequestError(f"num_assistant_tokens must be <= {MAX_NUM_ASSISTANT_TOKENS}, "
                                f"got {params.num_assistant_tokens}")
         if params.tree_depth > 0:
-            if self.proposer is None or not self.proposer.supports_tree:
+            if not self.proposer.supports_tree:
                 raise RequestError(f"tree drafting (tree_depth={params.tree_depth}) needs a drafter that "
                                    f"drafts trees (eagle3); this server drafts with {self.spec_method!r}")
             b, depth, k = params.branching_factor, params.tree_depth, params.num_assistant_tokens
             if b * b * (depth - 1) + b < k:
                 raise RequestError(f"a tree with branching_factor={b} and tree_depth={depth} has "
                                    f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
-        if self.proposer is not None:
-            try:
-                self.proposer.check(params)
-            except ValueError as e:
-                raise RequestError(str(e)) from e
+        try:
+            self.proposer.check(params)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
         return params
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -163,7 +162,7 @@ class LLMEngine:
         seq = Sequence(prompt_token_ids, params, request_id)
         if seq.request_id in self.requests:
             raise RequestError(f"duplicate request id {seq.request_id!r}")
-        seq.num_assistant_tokens = params.num_assistant_tokens if self.proposer is not None else 0
+        seq.num_assistant_tokens = self.proposer.num_draft_tokens(params)
         if seq.seed is None:
             seq.seed = int(torch.randint(0, 2**62, (), generator=self.default_generator))
         seq.arrival_time = time.perf_counter()
@@ -183,8 +182,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        if self.proposer is not None:
-            self.proposer.on_finished(seq)
+        self.proposer.on_finished(seq)
         self.requests.pop(seq.request_id, None)
         self.detokenizers.pop(seq.seq_id, None)
         self.stats.merge(seq.spec)
@@ -225,11 +223,10 @@ class LLMEngine:
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
         draft = self.propose(scheduled)
         items = self.prepare(scheduled, draft)
-        hidden, aux = self.runner.forward(items, self.proposer.aux_layers if self.proposer else ())
+        hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
         verified = self.verify(scheduled, draft, hidden)
         outputs = self.postprocess(scheduled, draft, verified.tokens)
-        if self.proposer is not None:
-            self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
+        self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         for s in scheduled:
             self._register(s.seq)
         return outputs
@@ -240,7 +237,7 @@ class LLMEngine:
         if not wants:
             return Draft.nothing(len(scheduled))
         limits = [scheduled[i].lookahead for i in wants]
-        draft = self.proposer.propose([scheduled[i].seq for i in wants], limits, None)
+        draft = self.proposer.propose([scheduled[i].seq for i in wants], limits)
         return draft.for_batch(wants, len(scheduled), limits)
 
     def prepare(self, scheduled: list[ScheduledSeq], draft: Draft) -> list[ForwardItem]:
@@ -288,6 +285,6 @@ class LLMEngine:
         if seq.is_finished:
             return
         valid = seq.num_computed_tokens
-        if self.proposer is not None and self.proposer.uses_kv_cache:
+        if self.proposer.uses_kv_cache:
             valid = min(valid, seq.num_drafter_computed)
         self.block_manager.register(seq, valid)

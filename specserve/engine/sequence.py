@@ -105,8 +105,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """True while the prompt is not fully computed (the next forward samples nothing or the first token)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0

@@ -65,7 +65,7 @@ class DraftModelProposer(Proposer):
         return logits
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
         B, K = len(seqs), max(num_tokens)
         sampled = [not seq.params.greedy for seq in seqs]
         probs = torch.zeros(B, K, self.target_vocab) if any(sampled) else None

@@ -213,7 +213,7 @@ class Eagle3Proposer(Proposer):
 
     # ---- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
         trees: dict[int, GrowingTree] = {}
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
             state = self.states.get(seq.seq_id)

@@ -135,7 +135,7 @@ class MTPProposer(Proposer):
             self.block_tails[seq.block_table[s // bs], layer] = source[s - start + 1]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
         B, K, N = len(seqs), max(num_tokens), self.mtp.num_layers
         vocab = self.target.config.vocab_size
         probs = torch.zeros(B, K, vocab, device=self.device) if any(not seq.params.greedy for seq in seqs) else None

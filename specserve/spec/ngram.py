@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specserve.spec.proposer import Draft, Proposer, TargetHidden
+from specserve.spec.proposer import Draft, Proposer
 
 if TYPE_CHECKING:
     from specserve.engine.sequence import Sequence
@@ -175,7 +175,7 @@ class NgramProposer(Proposer):
         check_lookup_range(min_n, max_n)
         return min_n, max_n
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
         token_ids: list[list[int]] = []
         for seq, k in zip(seqs, num_tokens):
             min_n, max_n = self.lookup_range(seq.params)

@@ -89,8 +89,12 @@ class Proposer(ABC):
         """Raise ValueError when a request's resolved settings ask more of this method than it can
         serve; called when the request is admitted, so that no step fails on them."""
 
+    def num_draft_tokens(self, params: SamplingParams) -> int:
+        """How many tokens a request drafts per step at most (its resolved num_assistant_tokens)."""
+        return params.num_assistant_tokens
+
     @abstractmethod
-    def propose(self, seqs: list[Sequence], num_tokens: list[int], hidden: TargetHidden | None) -> Draft:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
         ...
 
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
@@ -99,3 +103,13 @@ class Proposer(ABC):
 
     def on_finished(self, seq: Sequence) -> None:
         """Called once when a sequence finishes or is aborted."""
+
+
+class NoProposer(Proposer):
+    """Plain decoding: no request drafts, so the engine's loop needs no special case for it."""
+
+    def num_draft_tokens(self, params: SamplingParams) -> int:
+        return 0
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
+        return Draft([[] for _ in seqs])
