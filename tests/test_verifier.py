@@ -1,4 +1,5 @@
 """engine/verifier.py step by step: gather rows, draw the target, accept per draft kind, commit."""
+import pytest
 import torch
 
 from specserve.engine.scheduler import ScheduledSeq
@@ -136,3 +137,6 @@ def test_no_proposer_drafts_nothing():
     assert proposer.num_draft_tokens(SamplingParams(num_assistant_tokens=5)) == 0
     assert proposer.propose([seq_of([1], 0)], [3]).token_ids == [[]]
     assert proposer.aux_layers == () and not proposer.uses_kv_cache and not proposer.supports_tree
+    proposer.check(SamplingParams(tree_depth=0))
+    with pytest.raises(ValueError, match="tree drafting \\(tree_depth=2\\) needs a drafter that drafts trees.*'none'"):
+        proposer.check(SamplingParams(tree_depth=2))

@@ -119,7 +119,8 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        """Fill the request's unset speculative fields from the defaults, and check them."""
+        """Fill the request's unset speculative fields from the defaults, and check them (the drafting
+        method checks what is its own: tree settings, its limits)."""
         d = self.spec_defaults
         for name in SpecDefaults.__slots__:
             if getattr(params, name) is None:
@@ -130,14 +131,6 @@ class LLMEngine:
         if params.num_assistant_tokens > MAX_NUM_ASSISTANT_TOKENS:
             raise RequestError(f"num_assistant_tokens must be <= {MAX_NUM_ASSISTANT_TOKENS}, "
                                f"got {params.num_assistant_tokens}")
-        if params.tree_depth > 0:
-            if not self.proposer.supports_tree:
-                raise RequestError(f"tree drafting (tree_depth={params.tree_depth}) needs a drafter that "
-                                   f"drafts trees (eagle3); this server drafts with {self.spec_method!r}")
-            b, depth, k = params.branching_factor, params.tree_depth, params.num_assistant_tokens
-            if b * b * (depth - 1) + b < k:
-                raise RequestError(f"a tree with branching_factor={b} and tree_depth={depth} has "
-                                   f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
         try:
             self.proposer.check(params)
         except ValueError as e:

@@ -30,6 +30,7 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_path: str | 
 
 class DraftModelProposer(Proposer):
     uses_kv_cache = True
+    name = "draft"
 
     def __init__(self, path: str | Path, engine):
         self.config = ModelConfig.from_pretrained(path)

@@ -100,6 +100,7 @@ class GrowingTree:
 class Eagle3Proposer(Proposer):
     uses_kv_cache = True
     supports_tree = True
+    name = "eagle3"
 
     def __init__(self, path: str | Path, engine):
         target = engine.model_config
@@ -124,9 +125,16 @@ class Eagle3Proposer(Proposer):
                     path, list(self.layers), written, target.num_hidden_layers)
 
     def check(self, params) -> None:
-        if params.tree_depth <= 0 or params.num_assistant_tokens <= 0:
+        super().check(params)
+        if params.tree_depth <= 0:
             return
-        b, vocab = params.branching_factor, self.config.draft_vocab_size
+        b, depth, k = params.branching_factor, params.tree_depth, params.num_assistant_tokens
+        if b * b * (depth - 1) + b < k:
+            raise ValueError(f"a tree with branching_factor={b} and tree_depth={depth} has "
+                             f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
+        if k <= 0:
+            return
+        vocab = self.config.draft_vocab_size
         if b > vocab:
             raise ValueError(f"branching_factor={b} is larger than the EAGLE3 head's draft vocabulary ({vocab} tokens)")
         depth = min(params.tree_depth, params.num_assistant_tokens)        # the depth propose() grows

@@ -39,6 +39,7 @@ class MTPState:
 
 class MTPProposer(Proposer):
     uses_kv_cache = True
+    name = "mtp"
 
     def __init__(self, path: str | Path | None, engine):
         self.target = engine.model

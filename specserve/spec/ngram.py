@@ -153,6 +153,7 @@ class NgramProposer(Proposer):
     A request's prompt_lookup_min/max override the proposer's. When a request sets only one of
     them, the other is taken from the proposer and widened to keep min <= max.
     """
+    name = "ngram"
 
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                  use_cache: bool = True, cache: NgramCache | None = None):

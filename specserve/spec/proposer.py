@@ -81,13 +81,19 @@ class Proposer(ABC):
     uses_kv_cache: bool = False
     #: True when the proposer drafts trees (Draft.parents); requests with tree_depth > 0 need it
     supports_tree: bool = False
+    #: the method's name, as --speculative-method spells it
+    name: str = ""
 
     def bind(self, engine) -> None:
         """Called once the engine exists (its block size, KV budget and target model are known)."""
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError when a request's resolved settings ask more of this method than it can
-        serve; called when the request is admitted, so that no step fails on them."""
+        serve; called when the request is admitted, so that no step fails on them. A method that
+        adds checks calls this one too."""
+        if params.tree_depth > 0 and not self.supports_tree:
+            raise ValueError(f"tree drafting (tree_depth={params.tree_depth}) needs a drafter that drafts "
+                             f"trees (eagle3); this server drafts with {self.name!r}")
 
     def num_draft_tokens(self, params: SamplingParams) -> int:
         """How many tokens a request drafts per step at most (its resolved num_assistant_tokens)."""
@@ -107,6 +113,7 @@ class Proposer(ABC):
 
 class NoProposer(Proposer):
     """Plain decoding: no request drafts, so the engine's loop needs no special case for it."""
+    name = "none"
 
     def num_draft_tokens(self, params: SamplingParams) -> int:
         return 0
