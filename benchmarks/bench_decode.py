@@ -28,18 +28,18 @@ from conftest import make_checkpoint  # noqa: E402
 SIZES = {"small": dict(hidden=256, layers=4, vocab_size=8192),
          "large": dict(hidden=768, layers=12, vocab_size=32000)}
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
-CHAT_PROMPTS = [
+CHAT_PROMPTS = [                                    # code and prose alternate: --prompts N keeps both kinds
     "Write a Python function that reverses a singly linked list, with a short docstring.",
-    "Explain what a Python decorator is and show a small example that times a function.",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-    "Implement binary search in JavaScript and explain its time complexity.",
-    "Write a bash script that counts the lines of every .py file in a directory tree.",
-    "Show how to read a CSV file with pandas and compute the mean of one column.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain what a Python decorator is and show a small example that times a function.",
     "Explain why the sky is blue to a ten-year-old.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
     "Give me five tips for getting better sleep, with one sentence on why each works.",
+    "Implement binary search in JavaScript and explain its time complexity.",
     "Summarize the causes of the French Revolution in one paragraph.",
+    "Write a bash script that counts the lines of every .py file in a directory tree.",
     "Write a polite email asking a colleague to review my pull request by Friday.",
+    "Show how to read a CSV file with pandas and compute the mean of one column.",
     "Describe the water cycle and the role the sun plays in it.",
 ]
 
@@ -171,9 +171,10 @@ def real_model(args) -> None:
         llms[name] = specserve_llm(model_dir, "bfloat16", None if q == "none" else q)
         runs[name] = specserve_runner(llms[name], prompts, args.new_tokens)
     rates = {name: [] for name in runs}
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         for name, run in runs.items():
             rates[name].append(run())
+            print(f"run {i + 1}: {name} {rates[name][-1]:.1f} tok/s", flush=True)
     hf = rates["transformers bf16"]
     print(f"\n{model_dir.name}: {len(prompts)} chat prompts, {args.new_tokens} new tokens each, greedy, EOS ignored, "
           f"batch 1, {torch.get_num_threads()} thread(s), {args.repeats} interleaved runs; CPU: "

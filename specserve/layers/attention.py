@@ -21,7 +21,7 @@ class ForwardContext:
     attn_mask: torch.Tensor | None          # [B, 1, Q, T] bool; None: every query sees all T slots
     query_index: torch.Tensor | None        # [B, Q] flat row of each padded query; None when B == 1
     output_index: torch.Tensor | None       # [N] row of each flat token in the padded [B * Q] output
-    kv_cache: torch.Tensor                  # [L, S, 2, kv_heads, head_dim]: a slot's K and V side by side
+    kv_cache: torch.Tensor                  # [L, S, 2, kv_heads, head_dim] (a view of head-major storage)
     context_start: int | None = None        # B == 1 and its slots contiguous: the first one (no gather)
 
 
@@ -33,7 +33,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         run = cache[ctx.context_start:ctx.context_start + T]                            # [T, 2, Hkv, D]
         run[T - k.shape[0]:].copy_(torch.stack((k, v), dim=1))          # the new tokens are the run's last slots
         kv = run.unsqueeze(0)                                                           # [1, T, 2, Hkv, D]
-        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)       # [1, Hkv, T, D] strided
+        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)       # [1, Hkv, T, D] views
     else:
         cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
         Hkv, D = k.shape[1:]
