@@ -215,3 +215,19 @@ def test_a_bad_file_is_a_one_line_cli_error(tmp_path, capsys):
     assert "weights.bin is a file but not a GGUF file" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
     assert "nowhere does not exist" in capsys.readouterr().err
+
+
+def test_generate_and_serve_take_a_gguf_file(llama_256, tmp_path, capsys):
+    import argparse
+    from specserve.cli_args import engine_config_from_args
+    from specserve.server.cli import add_serve_parser, resolve_serve_args
+    path, _ = write_gguf(llama_256, tmp_path / "m.gguf", "llama", F.Q4_0, chat_template=CHATML)
+    assert main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-tokens", "5", "--ignore-eos",
+                 "--json", "--speculative-method", "ngram", "--kv-cache-memory-gb", "0.01"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 5 and out["speculative_method"] == "ngram"
+    parser = argparse.ArgumentParser(prog="specserve")
+    serve = add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = resolve_serve_args(parser.parse_args(["serve", str(path)]), serve)
+    assert args.served_model_name is None                  # the server reports MODEL as given
+    assert engine_config_from_args(args).model == converted_dir(path)
