@@ -176,3 +176,20 @@ def test_auto_dtype_on_cpu_follows_a_bf16_checkpoint():
     assert resolve_dtype("auto", ModelConfig(**shape, torch_dtype="float32"), cpu) == torch.float32
     assert resolve_dtype("auto", ModelConfig(**shape, torch_dtype="float16"), cpu) == torch.float32
     assert resolve_dtype("float32", ModelConfig(**shape, torch_dtype="bfloat16"), cpu) == torch.float32
+
+
+def test_step_outputs_carry_snapshots_the_engine_does_not_change(qwen3_dir):
+    import dataclasses
+    engine = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none").engine
+    seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    first = engine.step()[0].seq
+    assert (first.num_output_tokens, first.finish_reason, first.spec.num_target_forwards) == (1, None, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.output_text = "changed"
+    last = None
+    while not seq.is_finished:
+        last = engine.step()[0].seq
+    assert (first.num_output_tokens, first.finish_reason, first.spec.num_target_forwards) == (1, None, 1)
+    assert (last.num_output_tokens, last.finish_reason, last.spec.num_target_forwards) == (3, "length", 3)
+    assert last.prompt_token_ids == (5, 6, 7) and last.num_prompt_tokens == 3 and last.is_finished
+    assert last.output_text == seq.output_text and last.request_id == seq.request_id

@@ -135,7 +135,7 @@ def test_sixty_four_streaming_clients(server, expected, capsys):
     engine = server.engine.engine
     finished: dict[str, tuple[list[int], str, int, str]] = {}      # request id -> what the engine did with it
     server.engine.add_finish_listener(lambda seq: finished.__setitem__(
-        seq.request_id, (seq.token_ids[:seq.num_prompt_tokens], seq.output_text, seq.num_output_tokens,
+        seq.request_id, (list(seq.prompt_token_ids), seq.output_text, seq.num_output_tokens,
                          seq.finish_reason)))
     rss, agree = [], []
     start = time.perf_counter()

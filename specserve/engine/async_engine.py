@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specserve.engine.llm_engine import LLMEngine, StepOutput
-from specserve.engine.sequence import Sequence
+from specserve.engine.sequence import SeqSnapshot
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,13 +63,13 @@ class RequestStream:
         self.engine = engine
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
-        self.admitted: asyncio.Future[Sequence] = self.loop.create_future()
+        self.admitted: asyncio.Future[SeqSnapshot] = self.loop.create_future()
         self.outputs: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.closed = False
 
     # called from the engine thread; False when the caller's event loop is gone (nobody will read)
-    def admit(self, result: Sequence | BaseException) -> bool:
+    def admit(self, result: SeqSnapshot | BaseException) -> bool:
         def settle():
             if self.admitted.done():
                 return
@@ -122,12 +122,34 @@ class AsyncEngine:
         self.dead: EngineDeadError | None = None
         # run in the engine thread when an error stops it (not on shutdown): the server exits non-zero then
         self.on_crash: Callable[[], None] | None = None
-        self.finish_listeners: list[Callable[[Sequence], None]] = []   # run in the engine thread
+        self.finish_listeners: list[Callable[[SeqSnapshot], None]] = []   # run in the engine thread
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue[AddRequest | AbortRequest | Shutdown] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}                  # engine thread only
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+
+    # ---- what the server reads of the engine: fixed once it is built, so safe from any thread ------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_path(self):
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one sequence may reach: the context length, or the whole KV cache when that is smaller."""
+        return min(self.engine.max_model_len, self.engine.max_num_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     # ---- event-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -141,8 +163,8 @@ class AsyncEngine:
             self._wake.set()
             self._thread.join(timeout)
 
-    def add_finish_listener(self, listener: Callable[[Sequence], None]) -> None:
-        """listener(seq) runs in the engine thread when a request leaves the engine (finished or aborted),
+    def add_finish_listener(self, listener: Callable[[SeqSnapshot], None]) -> None:
+        """listener(snapshot) runs in the engine thread when a request leaves the engine (finished or aborted),
         before its last output reaches the caller."""
         self.finish_listeners.append(listener)
 
@@ -223,14 +245,14 @@ class AsyncEngine:
                 stream.admit(e)
                 continue
             self._streams[stream.request_id] = stream
-            if not stream.admit(seq):
+            if not stream.admit(seq.snapshot()):
                 self._abort(stream.request_id)
 
     def _abort(self, request_id: str) -> None:
         seq = self.engine.requests.get(request_id)
         self.engine.abort(request_id)
         if seq is not None and seq.is_finished:
-            self._left_engine(seq)
+            self._left_engine(seq.snapshot())
 
     def _dispatch(self, out: StepOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -239,7 +261,7 @@ class AsyncEngine:
         if stream is not None and not stream.put(out) and not out.finished:
             self._abort(out.request_id)
 
-    def _left_engine(self, seq: Sequence) -> None:
+    def _left_engine(self, seq: SeqSnapshot) -> None:
         self._streams.pop(seq.request_id, None)
         self._release()
         for listener in self.finish_listeners:

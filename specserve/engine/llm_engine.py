@@ -11,7 +11,7 @@ from specserve.config import EngineConfig, MAX_NUM_ASSISTANT_TOKENS, SpecDefault
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.sequence import Sequence, SpecStats
+from specserve.engine.sequence import SeqSnapshot, Sequence, SpecStats
 from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
 from specserve.models.config import ModelConfig
@@ -36,7 +36,7 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    seq: Sequence
+    seq: SeqSnapshot                      # the request's state after this step
     error: str | None = None              # set when the request's step failed: it finished without its tokens
 
 
@@ -210,7 +210,7 @@ class LLMEngine:
             if not seq.is_finished:            # those finished earlier in the step lost their last output too
                 seq.finish_reason = "error"
                 self._finish(seq)
-            outputs.append(StepOutput(seq.request_id, [], "", True, seq, message))
+            outputs.append(StepOutput(seq.request_id, [], "", True, seq.snapshot(), message))
         return outputs
 
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
@@ -271,7 +271,7 @@ class LLMEngine:
             self.block_manager.truncate(seq, seq.num_computed_tokens)
             if seq.finish_reason is not None:
                 self._finish(seq)
-            outputs.append(StepOutput(seq.request_id, appended, text, seq.finish_reason is not None, seq))
+            outputs.append(StepOutput(seq.request_id, appended, text, seq.finish_reason is not None, seq.snapshot()))
         return outputs
 
     def _register(self, seq: Sequence) -> None:

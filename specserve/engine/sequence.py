@@ -58,6 +58,30 @@ class SpecStats:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class SeqSnapshot:
+    """A request's state after one engine step, for readers outside the engine thread (responses,
+    metrics, the offline API): it never changes once taken, while the Sequence goes on being stepped."""
+    seq_id: int
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    num_output_tokens: int
+    output_text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    spec: SpecStats
+    arrival_time: float
+    first_token_time: float | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 _counter = itertools.count()
 
 
@@ -69,6 +93,7 @@ class Sequence:
         self.seq_id = next(_counter)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_token_ids = tuple(prompt_token_ids)   # shared by every snapshot
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
@@ -105,3 +130,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def snapshot(self) -> SeqSnapshot:
+        s = self.spec
+        spec = SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position),
+                         s.num_target_forwards)
+        return SeqSnapshot(self.seq_id, self.request_id, self.prompt_token_ids, self.num_output_tokens,
+                           self.output_text, self.finish_reason, self.stop_reason, spec, self.arrival_time,
+                           self.first_token_time)

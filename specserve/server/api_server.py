@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
 from specserve.engine.llm_engine import RequestError
-from specserve.engine.sequence import Sequence
+from specserve.engine.sequence import SeqSnapshot
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
 from specserve.server.metrics import ServerMetrics
 from specserve.server.errors import APIError
@@ -54,12 +54,11 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_len(self) -> int:
-        """Tokens one sequence may reach: the context length, or the whole KV cache when that is smaller."""
-        return min(self.engine.engine.max_model_len, self.engine.engine.max_num_tokens)
+        return self.engine.max_len
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.served_model_names:
@@ -113,7 +112,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     state = ServerState(engine, names, api_key, ServerMetrics(names[0], engine),
-                        SamplingDefaults.from_model_dir(engine.engine.config.model))
+                        SamplingDefaults.from_model_dir(engine.model_path))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -170,8 +169,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
 
     @routes.get("/v1/models")
     async def models():
-        root = str(engine.engine.config.model)
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.engine.max_model_len)
+        root = str(engine.model_path)
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
                                for name in names])
 
     @routes.post("/tokenize")
@@ -183,19 +182,19 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
             ids = await asyncio.to_thread(state.chat_prompt_ids, body)
         else:
             ids = await asyncio.to_thread(state.prompt_ids, body.prompt, body.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.engine.max_model_len, tokens=ids)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @routes.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         state.check_model(body.model)
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.vocab_size
         if bad := [t for t in body.tokens if not 0 <= t < vocab]:
             raise APIError(400, f"token ids out of the vocabulary (size {vocab}): {bad[:5]}", param="tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(state.tokenizer.decode, body.tokens))
 
     async def generate(request: Request, body: GenerationRequest, prompt_ids: list[int], request_id: str,
                        default_max_tokens: int | None, make_chunk: MakeChunk,
-                       make_response: Callable[[Sequence], BaseModel], opening: BaseModel | None = None) -> Response:
+                       make_response: Callable[[SeqSnapshot], BaseModel], opening: BaseModel | None = None) -> Response:
         params = body.to_sampling_params(state.sampling_defaults, len(prompt_ids), state.max_len, default_max_tokens)
         try:
             stream = await unless_disconnected(request, engine.add_request(prompt_ids, params, request_id))

@@ -1,7 +1,7 @@
 """Prometheus metrics under vLLM's names, so its dashboards and `vllm bench serve` read them unchanged.
 
 Each app has its own CollectorRegistry. A request's counts are added once, when it leaves the engine
-(finished or aborted), from the same Sequence its response's usage is built from.
+(finished or aborted), from the same snapshot its response's usage is built from.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.sequence import Sequence
+from specserve.engine.sequence import SeqSnapshot
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -56,7 +56,7 @@ class ServerMetrics:
         self.model = model
         engine.add_finish_listener(self.record_finished)
 
-    def record_finished(self, seq: Sequence) -> None:
+    def record_finished(self, seq: SeqSnapshot) -> None:
         spec = seq.spec
         self.num_drafts.inc(spec.num_drafts)
         self.num_draft_tokens.inc(spec.num_draft_tokens)

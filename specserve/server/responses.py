@@ -1,4 +1,4 @@
-"""OpenAI-compatible response bodies, whole and streamed, each built from the engine's Sequence or StepOutput;
+"""OpenAI-compatible response bodies, whole and streamed, each built from a request's snapshot or StepOutput;
 `usage` carries this request's speculative-decoding statistics beside OpenAI's counts."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from pydantic import BaseModel, Field
 
 from specserve.engine.llm_engine import StepOutput
-from specserve.engine.sequence import Sequence
+from specserve.engine.sequence import SeqSnapshot
 
 
 class Usage(BaseModel):
@@ -23,7 +23,7 @@ class Usage(BaseModel):
     mean_acceptance_length: float = 1.0
 
     @classmethod
-    def from_seq(cls, seq: Sequence) -> Usage:
+    def from_seq(cls, seq: SeqSnapshot) -> Usage:
         n_out = seq.num_output_tokens
         return cls(prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
                    total_tokens=seq.num_prompt_tokens + n_out, **seq.spec.to_dict())
@@ -55,7 +55,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
     @classmethod
-    def of(cls, request_id: str, model: str, seq: Sequence) -> ChatCompletionResponse:
+    def of(cls, request_id: str, model: str, seq: SeqSnapshot) -> ChatCompletionResponse:
         choice = ChatChoice(message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
                             stop_reason=seq.stop_reason)
         return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
@@ -109,7 +109,7 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
     @classmethod
-    def of(cls, request_id: str, model: str, seq: Sequence) -> CompletionResponse:
+    def of(cls, request_id: str, model: str, seq: SeqSnapshot) -> CompletionResponse:
         choice = CompletionChoice(text=seq.output_text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
 
