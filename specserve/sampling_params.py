@@ -1,5 +1,7 @@
 from dataclasses import dataclass, field
 
+import torch
+
 # limits on what one request may ask of the engine (the server answers 400 beyond them)
 MAX_TEMPERATURE = 2.0                 # OpenAI's maximum
 MIN_TEMPERATURE = 1e-2                # a positive temperature below it is raised to it, as vLLM does: smaller
@@ -64,3 +66,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def sampling_tensors(params: list[SamplingParams], rows_each: int = 1, device=None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compute_probs' temperature, top_k and top_p for these requests, each repeated for rows_each rows."""
+    temperature = torch.tensor([p.temperature for p in params]).repeat_interleave(rows_each)
+    top_k = torch.tensor([p.top_k for p in params]).repeat_interleave(rows_each)
+    top_p = torch.tensor([p.top_p for p in params]).repeat_interleave(rows_each)
+    return temperature.to(device), top_k.to(device), top_p.to(device)

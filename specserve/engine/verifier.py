@@ -13,6 +13,7 @@ import torch
 from specserve.engine.scheduler import ScheduledSeq
 from specserve.engine.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
+from specserve.sampling_params import sampling_tensors
 from specserve.spec.proposer import Draft
 from specserve.spec.tree import Tree, accept_tree
 from specserve.spec.verify import verify_greedy, verify_rejection
@@ -86,7 +87,8 @@ def draw_target(logits: torch.Tensor, seqs: list[Sequence], trees: list[Tree | N
     B = len(seqs)
     if all(seq.params.greedy for seq in seqs):
         return logits.float().view(B, K + 1, -1).argmax(dim=-1).cpu(), None   # fp32: bf16 argmax is slow
-    p = compute_probs(logits, *sampling_tensors(seqs, K + 1, logits.device)).view(B, K + 1, -1).cpu()
+    p = compute_probs(logits, *sampling_tensors([seq.params for seq in seqs], K + 1, logits.device))
+    p = p.view(B, K + 1, -1).cpu()
     depths = [tree.depth.tolist() if tree is not None else list(range(1, K + 1)) for tree in trees]
     positions = [[len(seq)] + [len(seq) + x for x in dep] + [len(seq)] * (K - len(dep))
                  for seq, dep in zip(seqs, depths)]
@@ -142,10 +144,3 @@ def committed_rows(scheduled: list[ScheduledSeq], offsets: list[int], tokens: li
             num_valid = s.num_new + (len(tokens[i]) - 1 if tokens[i] else 0)
             rows.append(list(range(base, base + num_valid)))
     return rows
-
-
-def sampling_tensors(seqs: list[Sequence], rows_each: int, device) -> tuple[torch.Tensor, ...]:
-    temperature = torch.tensor([seq.params.temperature for seq in seqs]).repeat_interleave(rows_each)
-    top_k = torch.tensor([seq.params.top_k for seq in seqs]).repeat_interleave(rows_each)
-    top_p = torch.tensor([seq.params.top_p for seq in seqs]).repeat_interleave(rows_each)
-    return temperature.to(device), top_k.to(device), top_p.to(device)

@@ -13,10 +13,9 @@ import torch
 
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.sequence import Sequence
-from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
-from specserve.spec.proposer import Draft, Proposer, TargetHidden
+from specserve.spec.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,18 +78,9 @@ class DraftModelProposer(Proposer):
             h, _ = self.runner.forward(items)
             last = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1
             logits = self._logits(h[last])                                    # [b, V]
-            act_seqs = [seqs[i] for i in active]
-            if not any(sampled[i] for i in active):
-                top = logits.argmax(dim=-1)
-                if probs is not None:   # greedy rows in a batch with sampled ones: one-hot q
-                    probs[torch.tensor(active), j] = torch.nn.functional.one_hot(top, self.target_vocab).float()
-                tokens = top.tolist()
-            else:
-                q = compute_probs(logits, torch.tensor([s.params.temperature for s in act_seqs]),
-                                  torch.tensor([s.params.top_k for s in act_seqs]),
-                                  torch.tensor([s.params.top_p for s in act_seqs]))
-                u = position_uniforms([s.seed for s in act_seqs], [[len(s) + j] for s in act_seqs], stream=2)[:, 0]
-                tokens = sample_from_probs(q, u).tolist()
+            # greedy rows in a batch with sampled ones get a one-hot q
+            tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], j, probs is not None)
+            if probs is not None:
                 probs[torch.tensor(active), j] = q
             for i, t in zip(active, tokens):
                 drafts[i].append(t)

@@ -21,10 +21,9 @@ import torch
 
 from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.sequence import Sequence
-from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.models.llama import pack_for_inference
 from specserve.models.mtp import load_mtp
-from specserve.spec.proposer import Draft, Proposer, TargetHidden
+from specserve.spec.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +168,7 @@ class MTPProposer(Proposer):
                 for (i, item, _), rows in zip(runs, out.split([len(item.token_ids) for _, item, _ in runs])):
                     outputs[i], last[i] = rows, rows[-1]
             logits = self.mtp.compute_logits(layer, torch.stack([last[i] for i in active]), self.target).float()
-            tokens, q = self._choose(logits, [seqs[i] for i in active], step, probs is not None)
+            tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None)
             for n, i in enumerate(active):
                 drafts[i].append(tokens[n])
             if probs is not None:
@@ -178,22 +177,6 @@ class MTPProposer(Proposer):
             if not active:
                 break
         return Draft(token_ids=drafts, probs=probs)
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, seqs: list[Sequence], step: int, need_q: bool) -> tuple[list[int], torch.Tensor | None]:
-        """Draft tokens (argmax for greedy requests, else sampled from q with the draft stream of
-        per-position uniforms) and q (one-hot for greedy rows; None when not needed)."""
-        greedy = all(s.params.greedy for s in seqs)
-        if greedy and not need_q:
-            return logits.argmax(dim=-1).tolist(), None
-        dev = logits.device
-        q = compute_probs(logits, torch.tensor([s.params.temperature for s in seqs], device=dev),
-                          torch.tensor([s.params.top_k for s in seqs], device=dev),
-                          torch.tensor([s.params.top_p for s in seqs], device=dev))
-        if greedy:
-            return q.argmax(dim=-1).tolist(), q
-        u = position_uniforms([s.seed for s in seqs], [[len(s) + step] for s in seqs], stream=2)[:, 0]
-        return sample_from_probs(q, u.to(dev)).tolist(), q
 
     def on_finished(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)

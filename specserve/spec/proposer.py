@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
+from specserve.sampling_params import sampling_tensors
 from specserve.spec.tree import Tree
 
 if TYPE_CHECKING:
@@ -66,6 +68,20 @@ class TargetHidden:
     final: torch.Tensor                        # [N, H]
     aux: list[torch.Tensor]                    # each [N, H]
     rows: list[list[int]]
+
+
+def draw_draft_tokens(logits: torch.Tensor, seqs: list[Sequence], step: int, need_q: bool
+                      ) -> tuple[list[int], torch.Tensor | None]:
+    """logits [B, V] at draft step `step` -> (the draft tokens: argmax for greedy requests, else sampled from q
+    with the draft stream of per-position uniforms; q [B, V], one-hot for greedy rows, None when not needed)."""
+    greedy = all(s.params.greedy for s in seqs)
+    if greedy and not need_q:
+        return logits.argmax(dim=-1).tolist(), None
+    q = compute_probs(logits, *sampling_tensors([s.params for s in seqs], 1, logits.device))
+    if greedy:
+        return q.argmax(dim=-1).tolist(), q
+    u = position_uniforms([s.seed for s in seqs], [[len(s) + step] for s in seqs], stream=2)[:, 0]
+    return sample_from_probs(q, u.to(logits.device)).tolist(), q
 
 
 class Proposer(ABC):
