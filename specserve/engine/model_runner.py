@@ -7,7 +7,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from specserve.layers.attention import ForwardContext
+from specserve.config import MAX_NUM_ASSISTANT_TOKENS
+from specserve.layers.attention import ForwardContext, RowByRow
+
+# with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
+# the last token and its drafts) is attended token by token, bit-identical to plain decoding (layers/attention.py,
+# RowByRow); longer prompt chunks in one batched call. Drafters whose forwards edit the mask (EAGLE3) keep it off.
+ROW_BY_ROW_MAX_TOKENS = 1 + MAX_NUM_ASSISTANT_TOKENS
 
 
 @dataclass(slots=True)
@@ -34,8 +40,10 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 row_by_row: bool = False):
         self.model = model
+        self.row_by_row = row_by_row            # the target's runner: decode and verify rows exactly as decoded alone
         self.block_size = block_size
         self.device = torch.device(device)
         # stored head-major ([L, 2, Hkv, S, D]: one head's K of a run of slots is one contiguous stretch, which
@@ -68,7 +76,7 @@ class ModelRunner:
         self.kv_cache[:, d] = self.kv_cache[:, s]
 
     def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        ids, positions, slot_mapping = [], [], []
+        ids, positions, slot_mapping, row_by_row = [], [], [], []
         lens = [len(it.token_ids) for it in items]
         ctx_lens = [it.start + n for it, n in zip(items, lens)]
         B, Q, T = len(items), max(lens), max(ctx_lens)
@@ -80,6 +88,8 @@ class ModelRunner:
             ctx = self.slots(it.block_table, 0, ctx_lens[b])
             context_slots[b, :ctx_lens[b]] = ctx
             slot_mapping.append(ctx[it.start:])
+            if self.row_by_row and n <= ROW_BY_ROW_MAX_TOKENS:
+                row_by_row.append(self.rows_of(it, len(ids) - n, ctx))
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -112,8 +122,22 @@ class ModelRunner:
             output_index=output_index,
             kv_cache=self.kv_cache,
             context_start=self.contiguous_start(items[0].block_table, T) if B == 1 else None,
+            row_by_row=row_by_row or None,
         )
         return input_ids, positions_t, ctx
+
+    def rows_of(self, item: ForwardItem, first: int, slots: np.ndarray) -> RowByRow:
+        """What each new token of `item` sees: a prefix of its context, or (a tree node) the cached tokens, its
+        ancestors and itself, in order."""
+        n, start = len(item.token_ids), item.start
+        if item.tree_mask is None:
+            seen = list(range(start + 1, start + n + 1))
+        else:
+            cached = torch.arange(start, device=self.device)
+            seen = [torch.cat((cached, start + torch.nonzero(row).view(-1).to(self.device))) for row in item.tree_mask]
+        run_start = self.contiguous_start(item.block_table, start + n)
+        return RowByRow(first, seen, start + n, run_start,
+                        None if run_start is not None else torch.from_numpy(slots).to(self.device))
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -7,6 +7,21 @@ import torch.nn.functional as F
 
 
 @dataclass(slots=True)
+class RowByRow:
+    """A sequence whose new tokens are each attended on their own, with exactly the call a one-token decode
+    step makes for that token (one query, over just the slots it sees, no mask). torch's CPU attention rounds a
+    row differently with the rows computed beside it and with masked padding (last fp32 bits, which a bf16
+    model's rounding can turn into another token at a near tie), so this is what keeps a verify step's rows,
+    and a batch's, bit-identical to plain decoding of one sequence alone."""
+    first: int                                  # flat row of its first new token
+    seen: list[int | torch.Tensor]              # per new token: how many context entries it sees (a prefix),
+    #                                             or which ones, in order (a tree node: context, ancestors, itself)
+    num_slots: int                              # its context: cached tokens and new ones
+    run_start: int | None                       # its context is one run of cache slots from here: read in place
+    slots: torch.Tensor | None                  # else its context slots in order, gathered once a layer
+
+
+@dataclass(slots=True)
 class ForwardContext:
     """Everything one paged forward needs besides the token ids. Built once per forward by the
     model runner and passed explicitly: a target and a drafter run in one process.
@@ -23,12 +38,19 @@ class ForwardContext:
     output_index: torch.Tensor | None       # [N] row of each flat token in the padded [B * Q] output
     kv_cache: torch.Tensor                  # [L, S, 2, kv_heads, head_dim] (a view of head-major storage)
     context_start: int | None = None        # B == 1 and its slots contiguous: the first one (no gather)
+    row_by_row: list[RowByRow] | None = None  # sequences attended token by token; all of them: no batched call
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
     cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
     B, T = ctx.context_slots.shape
+    if ctx.row_by_row is not None and len(ctx.row_by_row) == B:
+        if ctx.context_start is not None:
+            cache[ctx.context_start + T - k.shape[0]:ctx.context_start + T].copy_(torch.stack((k, v), dim=1))
+        else:
+            cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
+        return attend_row_by_row(q, cache, ctx.row_by_row, q.new_empty(q.shape))
     if ctx.context_start is not None:       # a view of the cache: reading 4k slots in place saves a 6 MB copy a layer
         run = cache[ctx.context_start:ctx.context_start + T]                            # [T, 2, Hkv, D]
         run[T - k.shape[0]:].copy_(torch.stack((k, v), dim=1))          # the new tokens are the run's last slots
@@ -53,9 +75,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     if upcast:
         out = out.to(q.dtype)
     out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4)                              # [B, Q, Hkv, G, D]
-    if ctx.output_index is None:
-        return out.reshape(q.shape)
-    return out.reshape(-1, *q.shape[1:]).index_select(0, ctx.output_index)
+    out = out.reshape(q.shape) if ctx.output_index is None else \
+        out.reshape(-1, *q.shape[1:]).index_select(0, ctx.output_index)
+    # a step mixing prompt chunks with decoding sequences: the latter's rows again, one by one (written above)
+    return out if ctx.row_by_row is None else attend_row_by_row(q, cache, ctx.row_by_row, out)
+
+
+def attend_row_by_row(q: torch.Tensor, cache: torch.Tensor, items: list[RowByRow], out: torch.Tensor) -> torch.Tensor:
+    """q [N, Hq, D] -> out [N, Hq, D], each listed row as a decode step computes it (K/V already written)."""
+    Hkv, D = cache.shape[2:]
+    G = q.shape[1] // Hkv
+    for item in items:
+        kv = cache[item.run_start:item.run_start + item.num_slots] if item.run_start is not None else \
+            cache.index_select(0, item.slots)                                         # [T, 2, Hkv, D]
+        for r, seen in enumerate(item.seen):
+            part = kv[:seen] if isinstance(seen, int) else kv.index_select(0, seen)
+            keys, values = part[:, 0].transpose(0, 1).unsqueeze(0), part[:, 1].transpose(0, 1).unsqueeze(0)
+            query = q[item.first + r].view(1, Hkv, G, D)                               # the G heads of a K/V head
+            o = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values)      # [1, Hkv, G, D]
+            out[item.first + r] = o.view(-1, D).to(out.dtype)
+    return out
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
