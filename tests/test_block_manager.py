@@ -90,7 +90,7 @@ def test_scheduler_batches_decodes_and_prompt_chunks():
     assert step[0].completes_prompt and not step[1].completes_prompt
 
 
-def test_scheduler_reserves_lookahead_and_preempts_newest():
+def test_scheduler_reserves_draft_slots_and_preempts_newest():
     bm = BlockManager(num_blocks=4, block_size=4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     a, b = seq_of(range(7)), seq_of(range(20, 27))
@@ -103,12 +103,12 @@ def test_scheduler_reserves_lookahead_and_preempts_newest():
         s.token_ids.append(1)
     # a wants 1 + 6 draft slots: 14 tokens, 4 blocks: b must make room
     step = sched.schedule(lambda s: 6)
-    assert [(x.seq, x.lookahead) for x in step] == [(a, 6)]
+    assert [(x.seq, x.num_draft_tokens) for x in step] == [(a, 6)]
     assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
     assert sched.waiting[0] is b
 
 
-def test_scheduler_drops_lookahead_before_preempting_itself():
+def test_scheduler_drops_draft_slots_before_preempting_itself():
     bm = BlockManager(num_blocks=2, block_size=4)
     sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
     a = seq_of(range(7))
@@ -117,4 +117,4 @@ def test_scheduler_drops_lookahead_before_preempting_itself():
     a.num_computed_tokens = 7
     a.token_ids.append(1)
     step = sched.schedule(lambda s: 4)    # 8 + 4 slots do not fit in 2 blocks; 8 do
-    assert [(x.seq, x.num_new, x.lookahead) for x in step] == [(a, 1, 0)]
+    assert [(x.seq, x.num_new, x.num_draft_tokens) for x in step] == [(a, 1, 0)]

@@ -75,8 +75,8 @@ def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     proposer, seen = llm.engine.proposer, []
     propose = proposer.propose
 
-    def recording(seqs, num_tokens):
-        draft = propose(seqs, num_tokens)
+    def recording(seqs, num_draft_tokens):
+        draft = propose(seqs, num_draft_tokens)
         seen.extend((list(seq.token_ids), d) for seq, d in zip(seqs, draft.token_ids))
         return draft
     proposer.propose = recording

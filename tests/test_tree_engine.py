@@ -32,12 +32,12 @@ class BranchingDraft(DraftModelProposer):
                 self.pending[seq.seq_id] = (start, match + 1)
         super().on_target_forward(seqs, hidden)
 
-    def propose(self, seqs, num_tokens):
-        chains = super().propose(seqs, num_tokens).token_ids
+    def propose(self, seqs, num_draft_tokens):
+        chains = super().propose(seqs, num_draft_tokens).token_ids
         for seq, chain in zip(seqs, chains):
             self.chains[seq.seq_id] = (len(seq), chain)
         token_ids, parents = [], []
-        for chain, k in zip(chains, num_tokens):
+        for chain, k in zip(chains, num_draft_tokens):
             tokens, par, prev_level = [], [], [-1]
             for t in chain:
                 level = []

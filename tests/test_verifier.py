@@ -134,7 +134,7 @@ def test_draft_for_batch_places_rows_cuts_them_and_derives_trees():
 
 def test_no_proposer_drafts_nothing():
     proposer = NoProposer()
-    assert proposer.num_draft_tokens(SamplingParams(num_assistant_tokens=5)) == 0
+    assert proposer.max_draft_tokens(SamplingParams(num_assistant_tokens=5)) == 0
     assert proposer.propose([seq_of([1], 0)], [3]).token_ids == [[]]
     assert proposer.aux_layers == () and not proposer.uses_kv_cache and not proposer.supports_tree
     proposer.check(SamplingParams(tree_depth=0))

@@ -155,7 +155,7 @@ class LLMEngine:
         seq = Sequence(prompt_token_ids, params, request_id)
         if seq.request_id in self.requests:
             raise RequestError(f"duplicate request id {seq.request_id!r}")
-        seq.num_assistant_tokens = self.proposer.num_draft_tokens(params)
+        seq.num_assistant_tokens = self.proposer.max_draft_tokens(params)
         if seq.seed is None:
             seq.seed = int(torch.randint(0, 2**62, (), generator=self.default_generator))
         seq.arrival_time = time.perf_counter()
@@ -181,7 +181,7 @@ class LLMEngine:
         self.stats.merge(seq.spec)
 
     # ---- the loop ---------------------------------------------------------------------------
-    def _lookahead(self, seq: Sequence) -> int:
+    def _num_draft_tokens(self, seq: Sequence) -> int:
         k = seq.num_assistant_tokens
         if k <= 0:
             return 0
@@ -191,7 +191,7 @@ class LLMEngine:
         return max(0, min(k, room))
 
     def step(self) -> list[StepOutput]:
-        scheduled = self.scheduler.schedule(self._lookahead)
+        scheduled = self.scheduler.schedule(self._num_draft_tokens)
         if not scheduled:
             return []
         try:
@@ -226,10 +226,10 @@ class LLMEngine:
 
     def propose(self, scheduled: list[ScheduledSeq]) -> Draft:
         """The step's draft: one row per scheduled sequence, empty where it drafts nothing."""
-        wants = [i for i, s in enumerate(scheduled) if s.lookahead > 0]
+        wants = [i for i, s in enumerate(scheduled) if s.num_draft_tokens > 0]
         if not wants:
             return Draft.nothing(len(scheduled))
-        limits = [scheduled[i].lookahead for i in wants]
+        limits = [scheduled[i].num_draft_tokens for i in wants]
         draft = self.proposer.propose([scheduled[i].seq for i in wants], limits)
         return draft.for_batch(wants, len(scheduled), limits)
 

@@ -1,7 +1,7 @@
 """Continuous batching: decoding sequences first, then prompt chunks in the remaining token budget.
 
 A scheduled sequence computes `num_new` of its uncomputed tokens (token_ids[num_computed:]); a
-decoding sequence has exactly one (the last sampled token) and may add `lookahead` draft slots.
+decoding sequence has exactly one (the last sampled token) and may add `num_draft_tokens` draft slots.
 When the cache runs out, the most recently admitted sequence is preempted (its blocks freed, to
 be recomputed, mostly from the prefix cache, when memory frees up).
 """
@@ -18,7 +18,7 @@ from specserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new: int          # uncomputed tokens fed this step
-    lookahead: int        # draft slots reserved (decoding sequences only)
+    num_draft_tokens: int  # draft slots reserved (decoding sequences only)
 
     @property
     def completes_prompt(self) -> bool:
@@ -40,8 +40,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, lookahead_of) -> list[ScheduledSeq]:
-        """lookahead_of(seq) -> draft slots a decoding sequence wants this step."""
+    def schedule(self, num_draft_tokens_of) -> list[ScheduledSeq]:
+        """num_draft_tokens_of(seq) -> draft slots a decoding sequence wants this step."""
         bm, budget = self.block_manager, self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         # running sequences, oldest first; preempt from the newest end when blocks run out
@@ -50,24 +50,24 @@ class Scheduler:
             seq = self.running[i]
             uncomputed = len(seq) - seq.num_computed_tokens
             # draft slots count against the step's token budget, so drafts never grow a batch past it
-            lookahead = min(lookahead_of(seq), max(0, budget - 1)) if uncomputed == 1 else 0
-            num_new = min(uncomputed, budget - lookahead) if uncomputed > 1 else 1
+            num_draft_tokens = min(num_draft_tokens_of(seq), max(0, budget - 1)) if uncomputed == 1 else 0
+            num_new = min(uncomputed, budget - num_draft_tokens) if uncomputed > 1 else 1
             if num_new <= 0:
                 i += 1
                 continue
-            need = seq.num_computed_tokens + num_new + lookahead
+            need = seq.num_computed_tokens + num_new + num_draft_tokens
             while not bm.can_ensure(seq, need) and self.running[-1] is not seq:
                 self.preempt(self.running.pop())
             if not bm.can_ensure(seq, need):
-                if lookahead and bm.can_ensure(seq, need - lookahead):
-                    need, lookahead = need - lookahead, 0
+                if num_draft_tokens and bm.can_ensure(seq, need - num_draft_tokens):
+                    need, num_draft_tokens = need - num_draft_tokens, 0
                 else:
                     self.running.pop()
                     self.preempt(seq)
                     break
             bm.ensure(seq, need)
-            scheduled.append(ScheduledSeq(seq, num_new, lookahead))
-            budget -= num_new + lookahead
+            scheduled.append(ScheduledSeq(seq, num_new, num_draft_tokens))
+            budget -= num_new + num_draft_tokens
             i += 1
         # admit waiting sequences while blocks, sequence slots and token budget allow
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:

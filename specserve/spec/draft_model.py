@@ -65,8 +65,8 @@ class DraftModelProposer(Proposer):
         return logits
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
-        B, K = len(seqs), max(num_tokens)
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
+        B, K = len(seqs), max(num_draft_tokens)
         sampled = [not seq.params.greedy for seq in seqs]
         probs = torch.zeros(B, K, self.target_vocab) if any(sampled) else None
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -87,7 +87,7 @@ class DraftModelProposer(Proposer):
             if j == 0:
                 for seq in seqs:
                     seq.num_drafter_computed = len(seq)
-            active = [i for i in active if len(drafts[i]) < num_tokens[i]]
+            active = [i for i in active if len(drafts[i]) < num_draft_tokens[i]]
             if not active:
                 break
             items = [ForwardItem(seqs[i].block_table, len(seqs[i]) + j, [drafts[i][-1]]) for i in active]

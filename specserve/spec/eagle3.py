@@ -221,9 +221,9 @@ class Eagle3Proposer(Proposer):
 
     # ---- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         trees: dict[int, GrowingTree] = {}
-        for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
+        for i, (seq, k) in enumerate(zip(seqs, num_draft_tokens)):
             state = self.states.get(seq.seq_id)
             if state is None or state.tail is None or state.num_computed != seq.num_computed_tokens \
                     or state.num_computed != seq.num_drafter_computed or len(seq) != state.num_computed + 1:
@@ -234,7 +234,7 @@ class Eagle3Proposer(Proposer):
             self._grow(seqs, trees)
         token_ids, parents = [[] for _ in seqs], [[] for _ in seqs]
         for i, tree in trees.items():
-            token_ids[i], parents[i] = tree.select(num_tokens[i])
+            token_ids[i], parents[i] = tree.select(num_draft_tokens[i])
         return Draft(token_ids=token_ids, parents=parents)
 
     def _grow(self, seqs: list[Sequence], trees: dict[int, GrowingTree]) -> None:

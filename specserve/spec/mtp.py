@@ -135,8 +135,8 @@ class MTPProposer(Proposer):
             self.block_tails[seq.block_table[s // bs], layer] = source[s - start + 1]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
-        B, K, N = len(seqs), max(num_tokens), self.mtp.num_layers
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
+        B, K, N = len(seqs), max(num_draft_tokens), self.mtp.num_layers
         vocab = self.target.config.vocab_size
         probs = torch.zeros(B, K, vocab, device=self.device) if any(not seq.params.greedy for seq in seqs) else None
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -173,7 +173,7 @@ class MTPProposer(Proposer):
                 drafts[i].append(tokens[n])
             if probs is not None:
                 probs[torch.tensor(active), step] = q
-            active = [i for i in active if len(drafts[i]) < num_tokens[i]]
+            active = [i for i in active if len(drafts[i]) < num_draft_tokens[i]]
             if not active:
                 break
         return Draft(token_ids=drafts, probs=probs)

@@ -176,9 +176,9 @@ class NgramProposer(Proposer):
         check_lookup_range(min_n, max_n)
         return min_n, max_n
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         token_ids: list[list[int]] = []
-        for seq, k in zip(seqs, num_tokens):
+        for seq, k in zip(seqs, num_draft_tokens):
             min_n, max_n = self.lookup_range(seq.params)
             buffer = self._buffers.get(seq.seq_id)
             if buffer is None:

@@ -111,12 +111,12 @@ class Proposer(ABC):
             raise ValueError(f"tree drafting (tree_depth={params.tree_depth}) needs a drafter that drafts "
                              f"trees (eagle3); this server drafts with {self.name!r}")
 
-    def num_draft_tokens(self, params: SamplingParams) -> int:
+    def max_draft_tokens(self, params: SamplingParams) -> int:
         """How many tokens a request drafts per step at most (its resolved num_assistant_tokens)."""
         return params.num_assistant_tokens
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         ...
 
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
@@ -131,8 +131,8 @@ class NoProposer(Proposer):
     """Plain decoding: no request drafts, so the engine's loop needs no special case for it."""
     name = "none"
 
-    def num_draft_tokens(self, params: SamplingParams) -> int:
+    def max_draft_tokens(self, params: SamplingParams) -> int:
         return 0
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Draft:
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         return Draft([[] for _ in seqs])
