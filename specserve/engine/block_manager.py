@@ -104,11 +104,11 @@ class BlockManager:
     def _run_start(self, length: int) -> int | None:
         """The oldest free block that starts a run of `length` free blocks (a new sequence's first block, so
         that its prompt and what follows fit in one run), or None."""
-        run, runs = 0, [0] * len(self.blocks)
-        for block in reversed(self.blocks):
-            run = run + 1 if block.ref_count == 0 else 0
-            runs[block.block_id] = run
-        return next((b for b in self.free_block_ids if runs[b] >= length), None)
+        blocks = self.blocks
+        for b in self.free_block_ids:     # a check stops at the first block in use: usually the first b fits
+            if b + length <= len(blocks) and all(blocks[i].ref_count == 0 for i in range(b + 1, b + length)):
+                return b
+        return None
 
     def can_ensure(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
