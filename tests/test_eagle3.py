@@ -24,7 +24,7 @@ from specserve.models.llama import PACKED
 from specserve.models.loader import save_safetensors, unpacked_state_dict
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
-from specserve.spec.eagle3 import GrowingTree
+from specserve.spec.tree import GrowingTree
 from specserve.spec.factory import drafter_kind
 from specserve.tokenizer import Tokenizer
 from specserve.train.demo import next_token_loss

@@ -33,3 +33,17 @@ def test_sampling_tensors_repeat_each_request():
     t, k, p = sampling_tensors([SamplingParams(temperature=0.5, top_k=4, top_p=0.9), SamplingParams(temperature=0)], 2)
     assert t.tolist() == [0.5, 0.5, 0.0, 0.0] and k.tolist() == [4, 4, 0, 0]
     assert torch.allclose(p, torch.tensor([0.9, 0.9, 1.0, 1.0]))
+
+
+def test_restart_tail_reads_the_cached_prefixs_last_block():
+    from specserve.spec.proposer import restart_tail
+    tails = torch.arange(5 * 2.0).view(5, 2)                  # 5 blocks, one 2-wide tail each
+    s = seq(0)
+    s.block_table = [3, 1, 4]
+    for computed, want in ((0, None), (4, [6.0, 7.0]), (8, [2.0, 3.0]), (6, None)):
+        s.num_drafter_computed = computed
+        got = restart_tail(tails, s, 4)
+        assert (got if got is None else got.tolist()) == want
+    s.num_drafter_computed = 4
+    restart_tail(tails, s, 4)[0] = -1.0
+    assert tails[3, 0] == 6.0                                 # a copy: the block's tail stays for other hits

@@ -15,7 +15,7 @@ Drafts are deterministic (top tokens), so the engine verifies them exactly by sa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +25,8 @@ from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_byt
 from specserve.engine.sequence import Sequence
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
 from specserve.models.llama import pack_for_inference
-from specserve.spec.proposer import Draft, Proposer, TargetHidden
+from specserve.spec.proposer import Draft, Proposer, TargetHidden, restart_tail
+from specserve.spec.tree import GrowingTree
 
 logger = logging.getLogger(__name__)
 
@@ -51,50 +52,6 @@ class HeadState:
     num_computed: int                      # head slots [1, num_computed) hold K/V (== seq.num_drafter_computed)
     tail: torch.Tensor | None              # [H] fc(target states) at num_computed - 1: what the next slot reads
     root: torch.Tensor | None = None       # [H] the head's output at slot num_computed (the last token), once run
-
-
-@dataclass(slots=True)
-class GrowingTree:
-    """One sequence's draft tree while it grows. Node j: token, parent (-1: the root), cumulative
-    draft log-probability, level (1 for the root's children). Fed nodes have head K/V at scratch slots."""
-    branching: int
-    depth: int
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    levels: list[int] = field(default_factory=list)
-    fed: list[int] = field(default_factory=list)            # nodes fed to the head, in slot order
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    root_output: torch.Tensor | None = None                 # the head's output at the last token
-
-    def add_children(self, parent: int, tokens: list[int], logps: list[float], level: int) -> None:
-        base = self.scores[parent] if parent >= 0 else 0.0
-        for token, logp in zip(tokens[:self.branching], logps[:self.branching]):
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.scores.append(base + logp)
-            self.levels.append(level)
-
-    def best(self, nodes: list[int], n: int) -> list[int]:
-        """The n best nodes by cumulative probability; ties go to the earlier node, so a parent always
-        ranks before its children and the best n of the whole tree form a connected subtree."""
-        return sorted(nodes, key=lambda j: (-self.scores[j], j))[:n]
-
-    def to_expand(self, level: int) -> list[int]:
-        return self.best([j for j, lv in enumerate(self.levels) if lv == level], self.branching)
-
-    def is_ancestor(self, a: int, j: int) -> bool:
-        while j >= 0:
-            j = self.parents[j]
-            if j == a:
-                return True
-        return False
-
-    def select(self, k: int) -> tuple[list[int], list[int]]:
-        """The best k nodes, in index order (ancestors first): (tokens, parents re-indexed)."""
-        keep = sorted(self.best(list(range(len(self.tokens))), k))
-        index = {j: i for i, j in enumerate(keep)}
-        return [self.tokens[j] for j in keep], [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep]
 
 
 class Eagle3Proposer(Proposer):
@@ -172,9 +129,8 @@ class Eagle3Proposer(Proposer):
             return state
         if start == 0:
             return HeadState(0, None)
-        if start % self.block_size == 0:
-            return HeadState(start, self.block_tails[seq.block_table[start // self.block_size - 1]].clone())
-        return None
+        tail = restart_tail(self.block_tails, seq, self.block_size)
+        return None if tail is None else HeadState(start, tail)
 
     @torch.inference_mode()
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:

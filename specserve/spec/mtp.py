@@ -23,7 +23,7 @@ from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_byt
 from specserve.engine.sequence import Sequence
 from specserve.models.llama import pack_for_inference
 from specserve.models.mtp import load_mtp
-from specserve.spec.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens
+from specserve.spec.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens, restart_tail
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class MTPProposer(Proposer):
             if start == 0:
                 tails = self.block_tails.new_zeros(self.block_tails.shape[1:])
             else:
-                assert start % self.block_size == 0, "a restarted drafter count is a cached prefix of whole blocks"
-                tails = self.block_tails[seq.block_table[start // self.block_size - 1]].clone()
+                tails = restart_tail(self.block_tails, seq, self.block_size)
+                assert tails is not None, "a restarted drafter count is a cached prefix of whole blocks"
             state = self.states[seq.seq_id] = MTPState(start, tails)
         return state
 

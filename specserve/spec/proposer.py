@@ -84,6 +84,17 @@ def draw_draft_tokens(logits: torch.Tensor, seqs: list[Sequence], step: int, nee
     return sample_from_probs(q, u.to(logits.device)).tolist(), q
 
 
+def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> torch.Tensor | None:
+    """What a drafter that keeps per-block tails (block_tails [num_blocks, ...]: the state its next slot reads,
+    stored at the last slot of every full block) reads when it restarts at seq.num_drafter_computed after the
+    engine reset that count (a preemption, a prefix-cache hit): the tail of the cached prefix's last block.
+    None at 0 (nothing to read) or mid-block (nothing was stored there)."""
+    start = seq.num_drafter_computed
+    if start == 0 or start % block_size:
+        return None
+    return block_tails[seq.block_table[start // block_size - 1]].clone()
+
+
 class Proposer(ABC):
     """A drafting method.
 

@@ -1,6 +1,6 @@
-"""Token trees for tree drafting (EAGLE3), and their exact verification.
+"""Token trees for tree drafting (EAGLE3): growing one (GrowingTree), and its exact verification (Tree).
 
-A tree is built once from a parent array; everything the engine needs per step (depths for
+A Tree is built once from a parent array; everything the engine needs per step (depths for
 positions, the attention mask, the rows verification reads) is derived at construction, never per call.
 """
 from dataclasses import dataclass, field
@@ -63,6 +63,50 @@ class Tree:
     def positions(self, start: int) -> list[int]:
         """Positions of the last token (at start) and the nodes (by depth below it)."""
         return [start] + (start + self.depth).tolist()
+
+
+@dataclass(slots=True)
+class GrowingTree:
+    """One sequence's draft tree while it grows. Node j: token, parent (-1: the root), cumulative
+    draft log-probability, level (1 for the root's children). Fed nodes have head K/V at scratch slots."""
+    branching: int
+    depth: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)            # nodes fed to the head, in slot order
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    root_output: torch.Tensor | None = None                 # the head's output at the last token
+
+    def add_children(self, parent: int, tokens: list[int], logps: list[float], level: int) -> None:
+        base = self.scores[parent] if parent >= 0 else 0.0
+        for token, logp in zip(tokens[:self.branching], logps[:self.branching]):
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(base + logp)
+            self.levels.append(level)
+
+    def best(self, nodes: list[int], n: int) -> list[int]:
+        """The n best nodes by cumulative probability; ties go to the earlier node, so a parent always
+        ranks before its children and the best n of the whole tree form a connected subtree."""
+        return sorted(nodes, key=lambda j: (-self.scores[j], j))[:n]
+
+    def to_expand(self, level: int) -> list[int]:
+        return self.best([j for j, lv in enumerate(self.levels) if lv == level], self.branching)
+
+    def is_ancestor(self, a: int, j: int) -> bool:
+        while j >= 0:
+            j = self.parents[j]
+            if j == a:
+                return True
+        return False
+
+    def select(self, k: int) -> tuple[list[int], list[int]]:
+        """The best k nodes, in index order (ancestors first): (tokens, parents re-indexed)."""
+        keep = sorted(self.best(list(range(len(self.tokens))), k))
+        index = {j: i for i, j in enumerate(keep)}
+        return [self.tokens[j] for j in keep], [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep]
 
 
 def path_moves(first_node: int, path: list[int]) -> tuple[list[int], list[int]] | None:
