@@ -154,9 +154,10 @@ def same_product(ref: torch.Tensor, got: torch.Tensor) -> bool:
 def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None], names: list[str],
                    dtype: torch.dtype, cache: dict, key: str) -> tuple[list[str], dict[str, list[Kernel]]]:
     """The kernel name per bucket for a group of same-shape weights, and the kernels built for them."""
+    if key in cache and set(cache[key]["choice"]) <= set(names):           # chosen before: build only those
+        choice = cache[key]["choice"]
+        return choice, {n: [make_kernel(n, w, b) for w, b in zip(weights, biases)] for n in set(choice)}
     kernels = {n: [make_kernel(n, w, b) for w, b in zip(weights, biases)] for n in names}
-    if key in cache and all(n in kernels for n in cache[key]["choice"]):
-        return cache[key]["choice"], kernels
     probe = torch.randn(BUCKET_ROWS[1], weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
     ref = kernels[names[0]][0](probe)
     for n in names[1:]:
