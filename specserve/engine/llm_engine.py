@@ -103,7 +103,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than 2 blocks")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                  num_blocks, config.block_size, self.dtype, self.device)
+                                  num_blocks, config.block_size, self.dtype, self.device, row_by_row=True)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.proposer.bind(self)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
