@@ -13,8 +13,8 @@ from pathlib import Path
 
 from specserve.spec.factory import TARGET_GGUF_KEY, default_drafters_dir, drafter_kind
 
-SHIPPED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "training_summary.json")
+# no tokenizer files: a drafter shares the target's (a draft model's 2 MB tokenizer.json would be a copy of it)
+SHIPPED_FILES = ("config.json", "model.safetensors", "generation_config.json", "training_summary.json")
 
 
 def ship(drafters: list[Path], data: Path | None, gguf_sha256: str, dest: Path, machine: str) -> dict[str, int]:
