@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.bench.client import (RequestInput, RequestOutput, SSEDecoder, SpecCounters, build_payload,
+from specserve.bench.client import (RequestInput, RequestFuncOutput, SSEDecoder, SpecCounters, build_payload,
                                     parse_spec_counters)
 from specserve.bench.datasets import (SONNET_BASE_PROMPT, default_sonnet_path, load_jsonl_prompts, load_sonnet,
                                       sample_jsonl, sample_random, sample_sonnet)
@@ -41,8 +41,8 @@ class WordTokenizer:
         return f"<user> {messages[0]['content']} <assistant>"
 
 
-def finished(start: float, ttft: float, itl: list[float], output_tokens: int, prompt_len: int) -> RequestOutput:
-    return RequestOutput(success=True, prompt_len=prompt_len, output_tokens=output_tokens, start_time=start,
+def finished(start: float, ttft: float, itl: list[float], output_tokens: int, prompt_len: int) -> RequestFuncOutput:
+    return RequestFuncOutput(success=True, prompt_len=prompt_len, output_tokens=output_tokens, start_time=start,
                          ttft=ttft, itl=itl, latency=ttft + sum(itl))
 
 
@@ -53,7 +53,7 @@ def test_metrics_from_synthetic_timings():
     outputs = [
         finished(0.0, 0.1, [0.05, 0.05, 0.1], output_tokens=4, prompt_len=10),   # chunks at .1 .15 .2 .3
         finished(0.2, 0.2, [0.5, 0.5], output_tokens=5, prompt_len=20),          # chunks at .4 .9 1.4
-        RequestOutput(success=False, error="HTTP 500", prompt_len=99),
+        RequestFuncOutput(success=False, error="HTTP 500", prompt_len=99),
     ]
     m = calculate_metrics(outputs, duration=2.0)
     assert (m.completed, m.failed, m.total_input, m.total_output) == (2, 1, 30, 9)
@@ -80,7 +80,7 @@ def test_metrics_edge_cases():
     assert calculate_metrics([no_usage], 1.0, count_tokens=lambda t: len(t.split())).total_output == 3
     one_token = calculate_metrics([finished(0.0, 0.1, [], 1, 1)], 1.0)
     assert one_token.tpot.mean == 0.0 and one_token.itl.mean == 0.0   # no TPOT for single-token requests
-    nothing = calculate_metrics([RequestOutput(error="x")], 1.0)
+    nothing = calculate_metrics([RequestFuncOutput(error="x")], 1.0)
     assert nothing.completed == 0 and nothing.ttft.mean == 0.0 and nothing.max_output_tokens_per_s == 0.0
 
 
@@ -217,7 +217,7 @@ def test_sse_decoder_reassembles_events_split_anywhere(piece):
 
 
 def test_stream_timings_count_content_chunks_only():
-    out = RequestOutput(prompt_len=3, start_time=10.0)
+    out = RequestFuncOutput(prompt_len=3, start_time=10.0)
     for payload, now in zip(SSEDecoder().feed(sse(CHAT_STREAM)), [10.1, 10.2, 10.25, 10.4, 10.45, 10.5, 10.5]):
         out.add_event(payload, now)
     out.finish()
@@ -226,13 +226,13 @@ def test_stream_timings_count_content_chunks_only():
     assert out.itl == pytest.approx([0.05, 0.15]) and out.latency == pytest.approx(0.4)
     assert (out.output_tokens, out.prompt_len) == (6, 7)       # from the usage chunk
 
-    completion = RequestOutput(start_time=0.0)
+    completion = RequestFuncOutput(start_time=0.0)
     for payload in SSEDecoder().feed(sse([{"choices": [{"text": "", "finish_reason": "stop"}]}, "[DONE]"])):
         completion.add_event(payload, 0.3)
     completion.finish()
     assert completion.success and completion.ttft == completion.latency == pytest.approx(0.3)   # EOS first
 
-    failed = RequestOutput()
+    failed = RequestFuncOutput()
     failed.add_event(json.dumps({"error": {"message": "boom"}}), 1.0)
     failed.finish()
     assert not failed.success and "boom" in failed.error

@@ -26,8 +26,9 @@ class RequestInput:
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """Times are `time.perf_counter()` seconds. A content chunk is a chunk whose choice carries text."""
+class RequestFuncOutput:
+    """One benchmark request's outcome (vLLM's name; the offline API's result is specserve.outputs.RequestOutput).
+    Times are `time.perf_counter()` seconds. A content chunk is a chunk whose choice carries text."""
     success: bool = False
     error: str = ""
     prompt_len: int = 0
@@ -124,8 +125,8 @@ def build_payload(req: RequestInput) -> dict:
     return payload
 
 
-async def send_request(client: httpx.AsyncClient, req: RequestInput, pbar: tqdm | None = None) -> RequestOutput:
-    out = RequestOutput(prompt_len=req.prompt_len)
+async def send_request(client: httpx.AsyncClient, req: RequestInput, pbar: tqdm | None = None) -> RequestFuncOutput:
+    out = RequestFuncOutput(prompt_len=req.prompt_len)
     out.start_time = time.perf_counter()
     try:
         async with client.stream("POST", req.api_url, json=build_payload(req)) as response:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.bench.client import RequestOutput, SpecCounters
+from specserve.bench.client import RequestFuncOutput, SpecCounters
 
 LATENCY_HEADERS = {  # name in results -> (label in rows, section header)
     "ttft": ("TTFT", "Time to First Token"),
@@ -48,14 +48,14 @@ class BenchmarkMetrics:
     output_lens: list[int]
 
 
-def output_len(out: RequestOutput, count_tokens: Callable[[str], int] | None) -> int:
+def output_len(out: RequestFuncOutput, count_tokens: Callable[[str], int] | None) -> int:
     """The usage chunk's count; without one, vLLM re-tokenizes the text (or counts 1 with no tokenizer)."""
     if out.output_tokens:
         return out.output_tokens
     return count_tokens(out.generated_text) if count_tokens is not None else 1
 
 
-def calculate_metrics(outputs: list[RequestOutput], duration: float, percentiles: tuple[float, ...] = (99.0,),
+def calculate_metrics(outputs: list[RequestFuncOutput], duration: float, percentiles: tuple[float, ...] = (99.0,),
                       count_tokens: Callable[[str], int] | None = None) -> BenchmarkMetrics:
     ok = [out for out in outputs if out.success]
     output_lens = [output_len(out, count_tokens) if out.success else 0 for out in outputs]
@@ -74,7 +74,7 @@ def calculate_metrics(outputs: list[RequestOutput], duration: float, percentiles
         output_lens=output_lens)
 
 
-def peak_output_per_second(outputs: list[RequestOutput]) -> float:
+def peak_output_per_second(outputs: list[RequestFuncOutput]) -> float:
     """Content chunks per 1-second bucket from the earliest start, at its busiest (vLLM counts chunks)."""
     if not outputs:
         return 0.0
@@ -87,7 +87,7 @@ def peak_output_per_second(outputs: list[RequestOutput]) -> float:
     return float(counts.max())
 
 
-def peak_concurrency(outputs: list[RequestOutput]) -> int:
+def peak_concurrency(outputs: list[RequestFuncOutput]) -> int:
     """Most requests in flight at once, over half-open [start, end): an end and a start at one instant don't overlap."""
     events = sorted([(out.start_time, 1) for out in outputs] + [(out.start_time + out.latency, -1) for out in outputs])
     running = peak = 0
@@ -167,7 +167,7 @@ def percentile_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def result_dict(m: BenchmarkMetrics, spec: SpecDecodeStats | None, outputs: list[RequestOutput]) -> dict:
+def result_dict(m: BenchmarkMetrics, spec: SpecDecodeStats | None, outputs: list[RequestFuncOutput]) -> dict:
     """The JSON `--save-result` writes, with vLLM's key names."""
     result = {
         "duration": m.duration, "completed": m.completed, "failed": m.failed,

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from specserve.bench.client import RequestInput, RequestOutput, fetch_spec_counters, first_model, send_request
+from specserve.bench.client import RequestInput, RequestFuncOutput, fetch_spec_counters, first_model, send_request
 from specserve.bench.datasets import (SampleRequest, TokenizerLike, default_sonnet_path, load_jsonl_prompts,
                                       load_sonnet, sample_jsonl, sample_random, sample_sonnet)
 from specserve.bench.metrics import (BenchmarkMetrics, SpecDecodeStats, calculate_metrics, format_result,
@@ -46,7 +46,7 @@ class LoadConfig:
 class BenchResult:
     metrics: BenchmarkMetrics
     spec: SpecDecodeStats | None
-    outputs: list[RequestOutput] = field(repr=False)
+    outputs: list[RequestFuncOutput] = field(repr=False)
 
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -73,7 +73,7 @@ async def benchmark(cfg: LoadConfig, samples: list[SampleRequest],
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S, limits=limits) as client:
         semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
 
-        async def limited(req: RequestInput, pbar: tqdm | None = None) -> RequestOutput:
+        async def limited(req: RequestInput, pbar: tqdm | None = None) -> RequestFuncOutput:
             async with semaphore:
                 return await send_request(client, req, pbar)
 
@@ -166,7 +166,7 @@ async def prepare(args: argparse.Namespace, base_url: str) -> tuple[LoadConfig, 
     return cfg, samples, tokenizer
 
 
-def print_failures(outputs: list[RequestOutput], limit: int = 10) -> None:
+def print_failures(outputs: list[RequestFuncOutput], limit: int = 10) -> None:
     failed = [out for out in outputs if not out.success]
     if failed:
         print(f"Failed requests during benchmark run detected (capping to {limit}):")
