@@ -149,7 +149,9 @@ def one_row_as_two(kernel: Kernel) -> Kernel:
     for a single row whose sums round differently from those of every product of two rows or more, so a decode
     step's row would not be the row a verify step computes for the same token."""
     def run(x: torch.Tensor) -> torch.Tensor:
-        return kernel(x.expand(2, -1).contiguous())[:1] if x.shape[0] == 1 else kernel(x)
+        if x.numel() != x.shape[-1]:                 # more than one row, in any leading shape
+            return kernel(x)
+        return kernel(x.reshape(1, -1).expand(2, -1).contiguous())[:1].view(*x.shape[:-1], -1)
     return run
 
 
