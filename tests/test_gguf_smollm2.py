@@ -144,9 +144,11 @@ def test_every_method_with_a_drafter_folder_equals_plain(smollm2, plain, tmp_pat
     assert tokens == plain and num_drafted > 0
 
 
-def test_a_method_without_its_drafter_says_what_to_pass():
+def test_a_method_without_its_drafter_says_what_to_pass(qwen3_dir):
+    """The default model ships its drafters (tests/test_default_drafters.py); a model without them is told
+    what to pass."""
     with pytest.raises(ValueError, match="--draft-model DIR"):
-        LLM(speculative_method="eagle3", **SMALL)
+        LLM(str(qwen3_dir), speculative_method="eagle3", **SMALL)
 
 
 def test_generate_serve_and_help_name_smollm2(capsys):
