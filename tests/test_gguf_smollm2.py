@@ -3,10 +3,7 @@ session and dtype (conftest points specserve's cache at a temporary folder). Gre
 method equals plain decoding; drafter folders are random ones written here (acceptance does not matter,
 equality does).
 
-The equality runs in float32. In bfloat16 it holds only up to rounding: torch's CPU attention gives a query row
-results that differ in the last fp32 bits with the number of rows (one when decoding, k + 1 when verifying),
-and a bf16 rounding can turn that into a different token at a near tie (SmolLM2 on CHATS[0]: the top two
-logits 2 bf16 ulps apart at the 28th token)."""
+The equality runs in float32 here (tests/test_exact_rows.py checks it in bfloat16 on this model)."""
 from __future__ import annotations
 
 import argparse
