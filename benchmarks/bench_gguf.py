@@ -72,19 +72,11 @@ def specserve_runner(llm, prompts: list[list[int]], new_tokens: int):
 
 
 def transformers_runner(folder: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int):
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)   # warm-up
-
-    @torch.inference_mode()
-    def run() -> float:
-        start = time.perf_counter()
-        for ids in prompts:
-            model.generate(torch.tensor([ids]), **kw)
-        return len(prompts) * new_tokens / (time.perf_counter() - start)
-    return run
+    """bench_decode's transformers timing (one greedy generate of new_tokens tokens per prompt, tokens/s)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_decode import transformers_runner as run_transformers
+    return run_transformers(folder, prompts, new_tokens, dtype)
 
 
 def main() -> None:
