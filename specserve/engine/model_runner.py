@@ -94,7 +94,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         has_tree = any(it.tree_mask is not None for it in items)
-        if B == 1 and Q == 1:
+        batched = len(row_by_row) < B           # some tokens attend in one batched call: it needs mask and indices
+        if (B == 1 and Q == 1) or not batched:
             attn_mask = None
         else:
             starts = torch.tensor([it.start for it in items], dtype=torch.int64)
@@ -106,7 +107,7 @@ class ModelRunner:
                         n = lens[b]
                         attn_mask[b, :n, it.start:it.start + n] = it.tree_mask
             attn_mask = attn_mask.unsqueeze(1).to(dev)                                      # [B, 1, Q, T]
-        if B == 1:
+        if B == 1 or not batched:
             query_index = output_index = None
         else:
             offsets = np.cumsum([0] + lens[:-1])
