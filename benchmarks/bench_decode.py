@@ -129,7 +129,7 @@ def weight_bytes_per_token(model) -> int:
 def step_costs(llm, context: int = 200, repeats: int = 30) -> tuple[float, float]:
     """Median seconds of a 1-token decode step and of a 6-token verify step (forward plus logits of every new
     row, as the engine's verification computes them), interleaved, at `context` tokens of cache."""
-    from specserve.engine.model_runner import ForwardItem
+    from specserve.runtime.model_runner import ForwardItem
     runner, model = llm.engine.runner, llm.engine.model
     table = list(range(-(-(context + 8) // runner.block_size)))
     ids = [(i * 7919) % 1000 + 100 for i in range(context + 6)]

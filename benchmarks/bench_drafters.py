@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.spec.factory import default_drafters_dir
+from specserve.drafting.factory import default_drafters_dir
 from specserve.train.prompts import read_jsonl
 
 KIND_GROUPS = {"code": ("code", "explain"), "prose": ("prose",), "math": ("math",), "question": ("question",)}

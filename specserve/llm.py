@@ -6,7 +6,7 @@ from dataclasses import fields
 
 from specserve.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import normalize_messages

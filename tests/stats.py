@@ -25,7 +25,7 @@ def assert_samples_from(samples: torch.Tensor, probs: torch.Tensor, min_pvalue: 
 def second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
     """The exact distribution of the second token sampled at temperature 1 after prompt:
     sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), from one batched forward over every t1."""
-    from specserve.engine.model_runner import ForwardItem, ModelRunner
+    from specserve.runtime.model_runner import ForwardItem, ModelRunner
     c = model.config
     V, n = c.vocab_size, len(prompt)
     runner = ModelRunner(model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, V + 1, n + 2, torch.float32)

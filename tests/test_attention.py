@@ -2,7 +2,7 @@
 gathered; both give the same hidden states."""
 import torch
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.models.registry import load_model
 
 
@@ -28,7 +28,7 @@ def test_in_place_and_gathered_context_are_the_same(qwen3_dir):
 
 def test_blocks_are_taken_next_to_the_sequence_when_free():
     from specserve.engine.block_manager import BlockManager
-    from specserve.engine.sequence import Sequence
+    from specserve.runtime.sequence import Sequence
     from specserve.sampling_params import SamplingParams
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     a, b = Sequence(list(range(5)), SamplingParams()), Sequence(list(range(5)), SamplingParams())
@@ -48,7 +48,7 @@ def test_blocks_are_taken_next_to_the_sequence_when_free():
 
 def test_a_new_sequence_starts_where_its_prompt_fits_in_one_run():
     from specserve.engine.block_manager import BlockManager
-    from specserve.engine.sequence import Sequence
+    from specserve.runtime.sequence import Sequence
     from specserve.sampling_params import SamplingParams
     bm = BlockManager(10, 4, enable_prefix_caching=False)
     a, b = Sequence(list(range(4)), SamplingParams()), Sequence(list(range(4)), SamplingParams())

@@ -3,7 +3,7 @@ import pytest
 
 from specserve.engine.block_manager import BlockManager, NoFreeBlocks
 from specserve.engine.scheduler import Scheduler
-from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.runtime.sequence import Sequence, SequenceStatus
 from specserve.sampling_params import SamplingParams
 
 

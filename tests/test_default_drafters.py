@@ -18,7 +18,7 @@ from specserve.models.eagle3 import Eagle3Config, check_fits_target, load_eagle3
 from specserve.models.mtp import check_compatible, load_mtp
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
-from specserve.spec.factory import default_drafters_dir, drafter_kind, find_drafters, shipped_drafters
+from specserve.drafting.factory import default_drafters_dir, drafter_kind, find_drafters, shipped_drafters
 
 KINDS = ("draft", "eagle3", "mtp")
 SHIPPED = default_drafters_dir()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from specserve.cli import main as cli_main
-from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.engine.llm_engine import RequestError
 from specserve.llm import LLM
 from specserve.models.eagle3 import resolve_aux_layers
@@ -24,8 +24,8 @@ from specserve.models.llama import PACKED
 from specserve.models.loader import save_safetensors, unpacked_state_dict
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
-from specserve.spec.tree import GrowingTree
-from specserve.spec.factory import drafter_kind
+from specserve.drafting.tree import GrowingTree
+from specserve.drafting.factory import drafter_kind
 from specserve.tokenizer import Tokenizer
 from specserve.train.demo import next_token_loss
 from specserve.train.trainer import StageConfig, train_stage
@@ -224,12 +224,12 @@ def test_head_that_does_not_fit_the_target_is_a_startup_error(target, published_
 
 
 def test_startup_logs_layers_and_warns_about_a_head_that_never_agrees(target, published_head, caplog):
-    with caplog.at_level(logging.INFO, logger="specserve.spec.eagle3"):
+    with caplog.at_level(logging.INFO, logger="specserve.drafting.eagle3"):
         LLM(str(target), kv_cache_memory_gb=0.01, draft_model=str(published_head[0]))
     assert "entering layers [2, 4, 5]" in caplog.text
     assert "near zero" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="specserve.spec.eagle3"):
+    with caplog.at_level(logging.INFO, logger="specserve.drafting.eagle3"):
         LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="eagle3")
     assert "near zero" not in caplog.text
 

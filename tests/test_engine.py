@@ -3,7 +3,7 @@ import pytest
 import torch
 import transformers
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.llm import LLM
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
@@ -80,7 +80,7 @@ def test_prefix_cache_hit_equals_miss(qwen3_dir):
 
 def test_truncate_then_extend_equals_never_extending(qwen3_dir):
     from specserve.engine.block_manager import BlockManager
-    from specserve.engine.sequence import Sequence
+    from specserve.runtime.sequence import Sequence
     model = load_model(qwen3_dir)
     runner = runner_for(model, num_blocks=16, block_size=4)
     bm = BlockManager(16, 4)

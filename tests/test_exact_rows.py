@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.layers.attention import paged_attention
-from specserve.spec.tree import Tree
+from specserve.drafting.tree import Tree
 
 L, HKV, G, D, BLOCK = 1, 3, 3, 64, 16
 

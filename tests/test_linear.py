@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.layers import linear
 from specserve.layers.linear import InferenceLinear, inference_linears, make_kernel, pack_linears
 from specserve.layers.quantization import dequantize_int8, quantize_int8

@@ -12,7 +12,7 @@ from specserve.models.mtp import (MultiTokenPredictor, load_mtp, save_mtp_folder
                                   shift_right)
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
-from specserve.spec.factory import drafter_kind
+from specserve.drafting.factory import drafter_kind
 from specserve.train.cli import main as train_main
 
 from conftest import TEXT, make_checkpoint

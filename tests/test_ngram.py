@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 from specserve.sampling_params import SamplingParams
-from specserve.spec.ngram import NgramCache, NgramProposer, find_ngram_draft
+from specserve.drafting.ngram import NgramCache, NgramProposer, find_ngram_draft
 
 
 def lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -1,10 +1,10 @@
-"""Pieces every drafter shares (spec/proposer.py)."""
+"""Pieces every drafter shares (drafting/proposer.py)."""
 import torch
 
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import SamplingParams, sampling_tensors
-from specserve.spec.proposer import draw_draft_tokens
+from specserve.drafting.proposer import draw_draft_tokens
 
 
 def seq(temperature: float, seed: int = 3, **kw) -> Sequence:
@@ -36,7 +36,7 @@ def test_sampling_tensors_repeat_each_request():
 
 
 def test_restart_tail_reads_the_cached_prefixs_last_block():
-    from specserve.spec.proposer import restart_tail
+    from specserve.drafting.proposer import restart_tail
     tails = torch.arange(5 * 2.0).view(5, 2)                  # 5 blocks, one 2-wide tail each
     s = seq(0)
     s.block_table = [3, 1, 4]

@@ -3,7 +3,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 

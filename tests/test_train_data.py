@@ -14,7 +14,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.eagle3 import load_eagle3_head, resolve_aux_layers
 from specserve.models.mtp import load_mtp
 from specserve.models.registry import load_model
-from specserve.spec.factory import drafter_kind
+from specserve.drafting.factory import drafter_kind
 from specserve.train import data as data_module
 from specserve.train.data import DataConfig, load_conversations, run_data, segment_ids
 from specserve.train.draft import DraftTrainConfig, run_draft_training

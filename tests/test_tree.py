@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specserve.layers.sampler import sample_from_probs
-from specserve.spec.tree import Tree, accept_tree, path_moves
+from specserve.drafting.tree import Tree, accept_tree, path_moves
 
 from stats import assert_samples_from
 

@@ -6,8 +6,8 @@ import pytest
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.spec.draft_model import DraftModelProposer
-from specserve.spec.proposer import Draft
+from specserve.drafting.draft_model import DraftModelProposer
+from specserve.drafting.proposer import Draft
 
 from stats import assert_samples_from, second_token_marginal
 from test_spec import PROMPTS, damped_pair, ids  # noqa: F401  (fixture)

@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from specserve.engine.scheduler import ScheduledSeq
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 from specserve.engine.verifier import (accept_chains, accept_tree_draft, committed_rows, draw_target, gather_rows,
                                        verify_step)
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import SamplingParams
-from specserve.spec.proposer import Draft, NoProposer
-from specserve.spec.tree import Tree
+from specserve.drafting.proposer import Draft, NoProposer
+from specserve.drafting.tree import Tree
 
 V = 6
 

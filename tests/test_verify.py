@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specserve.layers.sampler import compute_probs, sample_from_probs
-from specserve.spec.verify import verify_greedy, verify_rejection
+from specserve.drafting.verify import verify_greedy, verify_rejection
 
 from stats import assert_samples_from
 

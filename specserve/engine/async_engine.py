@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specserve.engine.llm_engine import LLMEngine, StepOutput
-from specserve.engine.sequence import SeqSnapshot
+from specserve.runtime.sequence import SeqSnapshot
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

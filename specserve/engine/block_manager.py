@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 
 
 class NoFreeBlocks(RuntimeError):

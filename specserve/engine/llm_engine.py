@@ -9,17 +9,17 @@ import torch
 
 from specserve.config import EngineConfig, MAX_NUM_ASSISTANT_TOKENS, SpecDefaults
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.sequence import SeqSnapshot, Sequence, SpecStats
+from specserve.runtime.sequence import SeqSnapshot, Sequence, SpecStats
 from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
 from specserve.sampling_params import SamplingParams
-from specserve.spec.factory import build_proposer
-from specserve.spec.proposer import Draft, NoProposer, Proposer, TargetHidden
-from specserve.spec.tree import path_moves
+from specserve.drafting.factory import build_proposer
+from specserve.drafting.proposer import Draft, NoProposer, Proposer, TargetHidden
+from specserve.drafting.tree import path_moves
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.runtime.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 inside an accepted speculative run cuts the output exactly where plain decoding would have stopped."""
 from __future__ import annotations
 
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 from specserve.tokenizer import IncrementalDetokenizer
 
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.scheduler import ScheduledSeq
-from specserve.engine.sequence import Sequence
+from specserve.runtime.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import sampling_tensors
-from specserve.spec.proposer import Draft
-from specserve.spec.tree import Tree, accept_tree
-from specserve.spec.verify import verify_greedy, verify_rejection
+from specserve.drafting.proposer import Draft
+from specserve.drafting.tree import Tree, accept_tree
+from specserve.drafting.verify import verify_greedy, verify_rejection
 
 
 @dataclass(slots=True)

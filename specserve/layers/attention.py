@@ -6,6 +6,12 @@ import torch
 import torch.nn.functional as F
 
 
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """bf16 models on CPU keep K/V in fp32 (the exact bf16 values): attention runs in fp32 there
+    (paged_attention), and a bf16 cache would be converted again at every layer of every step."""
+    return torch.float32 if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else dtype
+
+
 @dataclass(slots=True)
 class RowByRow:
     """A sequence whose new tokens are each attended on their own, with exactly the call a one-token decode
@@ -68,7 +74,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     # enable_gqa reads it once per query head (at 4k slots: 304 vs 371 us a layer, one thread)
     queries = queries.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
     mask = ctx.attn_mask if ctx.attn_mask is None or G == 1 else ctx.attn_mask.repeat(1, 1, G, 1)
-    # a bf16 model on CPU has an fp32 cache (engine/model_runner.py) and attends in fp32: torch's CPU attention
+    # a bf16 model on CPU has an fp32 cache (runtime/model_runner.py) and attends in fp32: torch's CPU attention
     # kernels are 6-8x slower in bf16 than in fp32 here (84 vs 13 us for one decode query over 250 slots)
     upcast = queries.dtype != keys.dtype
     out = F.scaled_dot_product_attention(queries.to(keys.dtype) if upcast else queries, keys, values, attn_mask=mask)

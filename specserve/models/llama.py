@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.attention import ForwardContext, causal_attention, paged_attention
-from specserve.layers.linear import InferenceLinear, pack_linears
+from specserve.layers.linear import InferenceLinear
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.config import ModelConfig
 
@@ -233,24 +233,9 @@ class LlamaForCausalLM(nn.Module):
     def pack(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LlamaForCausalLM:
         """pack_for_inference; a tied head gets its own inference linear over the embedding (the biggest
         single product of a small-vocabulary-heavy model such as SmolLM2: its kernel matters most)."""
+        from specserve.models.packing import pack_for_inference   # it builds on this module's layers
         tied = {"lm_head": (self.model.embed_tokens.weight, None)} if self.lm_head is None else None
         return pack_for_inference(self, device, dtype, quantization, tied)
-
-
-def pack_for_inference(module: nn.Module, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-                       extra: dict | None = None) -> nn.Module:
-    """For inference only (not trainable afterwards): on CPU every linear on the kernels measured fastest for
-    its shape (layers/linear.py; int8 weights with quantization="int8"), each layer's weights frozen into its
-    bundle, so that a forward makes no nn.Module calls inside the layers, and every RMSNorm on the fused
-    kernel (rms_norm_fused). `extra`: more (weight, bias) pairs made attributes of `module` (a tied head)."""
-    pack_linears(module, device, dtype, quantization, extra)
-    for m in module.modules():      # the norms first: the frozen bundles take each layer's norm function
-        if isinstance(m, RMSNorm) and m.weight.is_cpu:
-            m.norm = rms_norm_fused
-    for m in module.modules():
-        if isinstance(m, (Attention, DecoderLayer)):
-            m.frozen = m.weights(frozen=True)
-    return module
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

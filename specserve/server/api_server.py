@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
 from specserve.engine.llm_engine import RequestError
-from specserve.engine.sequence import SeqSnapshot
+from specserve.runtime.sequence import SeqSnapshot
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
 from specserve.server.metrics import ServerMetrics
 from specserve.server.errors import APIError

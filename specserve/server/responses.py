@@ -7,7 +7,7 @@ import time
 from pydantic import BaseModel, Field
 
 from specserve.engine.llm_engine import StepOutput
-from specserve.engine.sequence import SeqSnapshot
+from specserve.runtime.sequence import SeqSnapshot
 
 
 class Usage(BaseModel):

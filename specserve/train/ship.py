@@ -2,7 +2,7 @@
 
 Each drafter folder keeps its own config.json (the kind is detected from it, as for any drafter folder),
 with the sha256 of the GGUF file it was trained for added under TARGET_GGUF_KEY, so that
-spec/factory.py offers it for that model only. The held-out prompts the benchmark reads go with them.
+drafting/factory.py offers it for that model only. The held-out prompts the benchmark reads go with them.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from specserve.spec.factory import TARGET_GGUF_KEY, default_drafters_dir, drafter_kind
+from specserve.drafting.factory import TARGET_GGUF_KEY, default_drafters_dir, drafter_kind
 
 # no tokenizer files: a drafter shares the target's (a draft model's 2 MB tokenizer.json would be a copy of it)
 SHIPPED_FILES = ("config.json", "model.safetensors", "generation_config.json", "training_summary.json")

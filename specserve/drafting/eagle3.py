@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
-from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
-from specserve.engine.sequence import Sequence
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.sequence import Sequence
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
-from specserve.models.llama import pack_for_inference
-from specserve.spec.proposer import Draft, Proposer, TargetHidden, restart_tail
-from specserve.spec.tree import GrowingTree
+from specserve.models.packing import pack_for_inference
+from specserve.drafting.proposer import Draft, Proposer, TargetHidden, restart_tail
+from specserve.drafting.tree import GrowingTree
 
 logger = logging.getLogger(__name__)
 

@@ -101,20 +101,20 @@ def build_proposer(config, engine):
     if method == "none":
         return None, "none", 0
     if method == "ngram":
-        from specserve.spec.ngram import NgramProposer
+        from specserve.drafting.ngram import NgramProposer
         d = engine.spec_defaults
         return NgramProposer(d.prompt_lookup_min, d.prompt_lookup_max, use_cache=config.ngram_cache), "ngram", 0
     if method == "draft":
-        from specserve.spec.draft_model import DraftModelProposer
+        from specserve.drafting.draft_model import DraftModelProposer
         proposer = DraftModelProposer(path, engine)
         logger.info("drafting with the draft model in %s", path)
         return proposer, "draft", proposer.kv_bytes_per_token
     if method == "eagle3":
-        from specserve.spec.eagle3 import Eagle3Proposer
+        from specserve.drafting.eagle3 import Eagle3Proposer
         proposer = Eagle3Proposer(path, engine)
         return proposer, "eagle3", proposer.kv_bytes_per_token
     if method == "mtp":
-        from specserve.spec.mtp import MTPProposer
+        from specserve.drafting.mtp import MTPProposer
         proposer = MTPProposer(path, engine)
         return proposer, "mtp", proposer.kv_bytes_per_token
     raise ValueError(f"speculative method {method!r} is not supported yet")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
-from specserve.engine.sequence import Sequence
-from specserve.models.llama import pack_for_inference
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.sequence import Sequence
+from specserve.models.packing import pack_for_inference
 from specserve.models.mtp import load_mtp
-from specserve.spec.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens, restart_tail
+from specserve.drafting.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens, restart_tail
 
 logger = logging.getLogger(__name__)
 

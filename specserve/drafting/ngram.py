@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specserve.spec.proposer import Draft, Proposer
+from specserve.drafting.proposer import Draft, Proposer
 
 if TYPE_CHECKING:
-    from specserve.engine.sequence import Sequence
+    from specserve.runtime.sequence import Sequence
     from specserve.sampling_params import SamplingParams
 
 NORMAL_FINISH_REASONS = ("stop", "length")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
-from specserve.engine.sequence import Sequence
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.sequence import Sequence
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
-from specserve.spec.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens
+from specserve.drafting.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
-from specserve.layers.attention import ForwardContext, RowByRow
+from specserve.layers.attention import ForwardContext, RowByRow, kv_cache_dtype
 
 # with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
 # the last token and its drafts) is attended token by token, bit-identical to plain decoding (layers/attention.py,
@@ -24,12 +24,6 @@ class ForwardItem:
     token_ids: list[int]
     positions: list[int] | None = None       # rotary positions; None: start, start + 1, ...
     tree_mask: torch.Tensor | None = None    # [n, n] bool among the new tokens; None: causal chain
-
-
-def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """bf16 models on CPU keep K/V in fp32 (the exact bf16 values): attention runs in fp32 there
-    (layers/attention.py), and a bf16 cache would be converted again at every layer of every step."""
-    return torch.float32 if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else dtype
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

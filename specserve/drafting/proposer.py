@@ -12,10 +12,10 @@ import torch
 
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import sampling_tensors
-from specserve.spec.tree import Tree
+from specserve.drafting.tree import Tree
 
 if TYPE_CHECKING:
-    from specserve.engine.sequence import Sequence
+    from specserve.runtime.sequence import Sequence
     from specserve.sampling_params import SamplingParams
 
 
