@@ -1,0 +1,1 @@
+"""Runtime pieces below both the engine and the drafters: a model runner over a paged KV cache, and sequence state."""
