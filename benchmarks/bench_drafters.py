@@ -101,7 +101,7 @@ def main() -> None:
         measure(llm, conversations[:1], SamplingParams(temperature=0, max_tokens=8))
         base = plain()
         for setting in settings_of(method, ks, trees, args.sampled_k):
-            params = SamplingParams(**{"temperature": 0, "seed": 0, **setting, "max_tokens": args.max_tokens})
+            params = SamplingParams.from_dict({"temperature": 0, "seed": 0, **setting, "max_tokens": args.max_tokens})
             r = measure(llm, conversations, params)
             rows.append(dict(method=label_of(method, setting), **r, speedup=r["tokens_per_s"] / base["tokens_per_s"]))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

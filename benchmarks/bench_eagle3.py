@@ -67,7 +67,7 @@ def main() -> None:
                           enable_prefix_caching=False, ngram_cache=False)
                 llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))    # warm-up
                 for setting in settings_of(method, ks, trees):
-                    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, **setting)
+                    params = SamplingParams.from_dict(dict(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, **setting))
                     tps, mal, n = run(llm, prompts, batch, params)
                     base = tps if method == "none" else base
                     row = dict(kind=kind, batch=batch, method=label_of(method, setting), tokens_per_s=tps,

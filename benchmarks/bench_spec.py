@@ -101,7 +101,7 @@ def main() -> None:
                 if method == "eagle3":
                     settings += [dict(branching_factor=b, tree_depth=d, num_assistant_tokens=k) for b, d, k in trees]
                 for extra in settings:
-                    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, **extra)
+                    params = SamplingParams.from_dict(dict(temperature=0, max_tokens=args.max_tokens, **extra))
                     m = measure(llm, prompts, batch, params)
                     tps, mal, n = m["tokens_per_s"], m["acceptance_length"], m["tokens"]
                     if method == "none":

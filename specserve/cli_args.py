@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from specserve.config import MAX_NUM_ASSISTANT_TOKENS, SPEC_METHODS, EngineConfig
+from specserve.config import SPEC_METHODS, EngineConfig
+from specserve.drafting.factory import all_options, options_by_method
 
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 
@@ -67,19 +68,22 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                       help="default: detected (a drafter in a subfolder of the model folder, else none; "
                            "the default model: ngram)")
     spec.add_argument("--draft-model", metavar="PATH", help="drafter folder; its kind is read from its config.json")
-    spec.add_argument("--num-assistant-tokens", type=int_at_least(0, MAX_NUM_ASSISTANT_TOKENS),
-                      help="draft tokens per step, for requests that do not set it (default: generation_config.json, else 5)")
-    spec.add_argument("--prompt-lookup-min", type=int_at_least(1), help="smallest n-gram matched (ngram)")
-    spec.add_argument("--prompt-lookup-max", "--max-ngram-size", type=int_at_least(1), help="largest n-gram matched (ngram)")
-    spec.add_argument("--branching-factor", type=int_at_least(1), help="children per tree node (tree drafting)")
-    spec.add_argument("--tree-depth", type=int_at_least(0), help="draft tree depth; 0 drafts a chain")
+    for option in all_options():       # each method's own (drafting/options.py)
+        owners = [m for m, options in options_by_method().items() if option in options]
+        spec.add_argument(*(f"--{name.replace('_', '-')}" for name in (option.name, *option.aliases)),
+                          dest=option.name, type=int_at_least(option.minimum, option.maximum),
+                          help=f"{option.help}, for requests that do not set it ({', '.join(owners)}; default: "
+                               f"generation_config.json, else {option.default})")
     spec.add_argument("--no-ngram-cache", action="store_true", default=None,
                       help="ngram: match only the request's own tokens, not earlier requests'")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = set(EngineConfig.__slots__) - {"model", "enable_prefix_caching", "ngram_cache"}
+    names = set(EngineConfig.__slots__) - {"model", "enable_prefix_caching", "ngram_cache", "draft_options"}
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if args.model is not None:
         kwargs["model"] = args.model
-    return EngineConfig(enable_prefix_caching=not args.no_prefix_caching, ngram_cache=not args.no_ngram_cache, **kwargs)
+    draft_options = {o.name: value for o in all_options() if o.name != "num_assistant_tokens"
+                     and (value := getattr(args, o.name, None)) is not None}
+    return EngineConfig(enable_prefix_caching=not args.no_prefix_caching, ngram_cache=not args.no_ngram_cache,
+                        draft_options=draft_options, **kwargs)

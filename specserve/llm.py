@@ -1,10 +1,13 @@
 """The offline API, shaped like vLLM's: LLM(model).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import fields
 
 from specserve.config import EngineConfig
+from specserve.drafting.factory import all_options
+from specserve.drafting.options import spellings
 from specserve.engine.llm_engine import LLMEngine
 from specserve.runtime.sequence import Sequence
 from specserve.outputs import CompletionOutput, RequestOutput
@@ -15,10 +18,14 @@ from specserve.tokenizer import normalize_messages
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         """model: a Hugging Face folder or a GGUF file (converted once, cached); None: SmolLM2-135M-Instruct.
-        kwargs are EngineConfig fields (dtype, speculative_method, draft_model, num_assistant_tokens, ...)."""
-        names = {f.name for f in fields(EngineConfig)}
-        if unknown := sorted(set(kwargs) - names):
+        kwargs are EngineConfig fields (dtype, speculative_method, draft_model, num_assistant_tokens, ...) and
+        the drafting methods' options (tree_depth=2: the engine-wide default, as the same flag of `serve`)."""
+        names, options = {f.name for f in fields(EngineConfig)}, spellings(all_options())
+        if unknown := sorted(set(kwargs) - names - set(options)):
             raise TypeError(f"unknown LLM options: {unknown}")
+        draft_options = {name: kwargs.pop(name) for name in list(kwargs) if name in options and name not in names}
+        if draft_options:
+            kwargs["draft_options"] = {**kwargs.get("draft_options", {}), **draft_options}
         config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
@@ -55,7 +62,8 @@ class LLM:
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
-    return SamplingParams(**{f.name: getattr(params, f.name) for f in fields(SamplingParams)})
+    """A copy the engine may resolve in place (one SamplingParams may serve many prompts)."""
+    return copy.deepcopy(params)
 
 
 def to_request_output(seq: Sequence, prompt: str | None, last_time: float | None) -> RequestOutput:

@@ -1,4 +1,6 @@
-from dataclasses import dataclass, field
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -15,8 +17,9 @@ MAX_STOP_TOKEN_IDS = 256
 class SamplingParams:
     """Per-request sampling and speculative settings, shaped like vLLM's.
 
-    Speculative fields left at None resolve, in order, from the model's generation_config.json
-    and then the built-in defaults (see specserve.config.SpecDefaults).
+    num_assistant_tokens and draft_options (the serving method's own options by name, e.g. tree_depth: see
+    drafting/options.py) left unset resolve when the engine admits the request: the engine's flag, then the
+    model's generation_config.json, then the option's default.
     """
     temperature: float = 1.0          # 0 = greedy
     top_p: float = 1.0
@@ -28,10 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # speculative decoding
     num_assistant_tokens: int | None = None
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    branching_factor: int | None = None
-    tree_depth: int | None = None
+    draft_options: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -52,16 +52,17 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.prompt_lookup_min is not None and self.prompt_lookup_min < 1:
-            raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
-        if self.prompt_lookup_max is not None and self.prompt_lookup_max < max(1, self.prompt_lookup_min or 1):
-            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min and >= 1, got {self.prompt_lookup_max}")
-        if self.branching_factor is not None and self.branching_factor < 1:
-            raise ValueError(f"branching_factor must be >= 1, got {self.branching_factor}")
-        if self.tree_depth is not None and self.tree_depth < 0:
-            raise ValueError(f"tree_depth must be >= 0, got {self.tree_depth}")
         if self.num_assistant_tokens is not None and self.num_assistant_tokens < 0:
             raise ValueError(f"num_assistant_tokens must be >= 0, got {self.num_assistant_tokens}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SamplingParams:
+        """From settings shaped like a request body: SamplingParams' fields, and any other key a drafting option
+        (SamplingParams.from_dict({"temperature": 0, "tree_depth": 2})); the engine checks those on admission."""
+        own = {f.name for f in fields(cls)} - {"draft_options"}
+        return cls(**{k: v for k, v in values.items() if k in own},
+                   draft_options={**values.get("draft_options", {}), **{k: v for k, v in values.items()
+                                                                       if k not in own and k != "draft_options"}})
 
     @property
     def greedy(self) -> bool:

@@ -93,7 +93,7 @@ def test_transformers_loads_the_draft_model_with_the_same_logits():
 def test_greedy_with_each_shipped_drafter_equals_plain(plain, method, setting):
     llm = LLM(speculative_method=method, **EXACT)              # no --draft-model: the shipped one is found
     assert llm.engine.spec_method == method
-    outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=24, **setting))
+    outs = llm.chat(CHATS, SamplingParams.from_dict(dict(temperature=0, max_tokens=24, **setting)))
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.spec["num_accepted_tokens"] for o in outs) > 0      # trained: it gets some drafts right
 

@@ -22,7 +22,7 @@ def test_the_demo_model_and_its_drafters_are_shipped():
 
 
 def greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **kw)
+    return SamplingParams.from_dict(dict(temperature=0, max_tokens=32, ignore_eos=True, **kw))
 
 
 @pytest.fixture(scope="module")

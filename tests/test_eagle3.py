@@ -359,7 +359,7 @@ def test_seeded_sampling_equals_plain_sampling(eagle, plain, tree):
     for kw in (dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, top_p=0.8)):
         params = SamplingParams(max_tokens=30, ignore_eos=True, seed=5, num_assistant_tokens=5, **kw)
         expected = ids(plain.generate(PROMPTS, params))
-        params.branching_factor, params.tree_depth = spec.get("branching_factor"), spec.get("tree_depth")
+        params.draft_options = spec
         assert ids(eagle.generate(PROMPTS, params)) == expected
 
 
@@ -370,7 +370,7 @@ def test_sampled_output_has_the_target_distribution(eagle, tree):
     n = 3000
     spec = dict(branching_factor=tree[0], tree_depth=tree[1]) if tree else {}
     outs = eagle.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
-                                                       num_assistant_tokens=3, **spec))
+                                                       num_assistant_tokens=3, draft_options=spec))
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
     assert 0 < sum(o.spec["num_accepted_tokens"] for o in outs) < drafted
     model = eagle.engine.model
@@ -391,7 +391,7 @@ def test_sampled_output_has_the_target_distribution(eagle, tree):
 # ---- requests, server and CLI --------------------------------------------------------------------
 def test_impossible_tree_is_rejected_naming_the_three_values(eagle):
     with pytest.raises(RequestError, match="branching_factor=2 and tree_depth=2 has 6 nodes, fewer than num_assistant_tokens=7"):
-        eagle.engine.add_request([5, 6], SamplingParams(num_assistant_tokens=7, branching_factor=2, tree_depth=2))
+        eagle.engine.add_request([5, 6], SamplingParams(num_assistant_tokens=7, draft_options=dict(branching_factor=2, tree_depth=2)))
 
 
 def test_server_takes_tree_settings_per_request_and_answers_400_for_an_impossible_tree(target):

@@ -143,8 +143,8 @@ def test_cache_invalid_params_raise():
 
 # ---- NgramProposer
 
-def make_seq(tokens: list[int], **params) -> Sequence:
-    return Sequence(tokens, SamplingParams(**params))
+def make_seq(tokens: list[int], **options) -> Sequence:
+    return Sequence(tokens, SamplingParams(draft_options=options))
 
 
 def test_proposer_drafts_at_most_num_tokens():
@@ -171,14 +171,13 @@ def test_proposer_follows_growing_and_shrinking_sequences():
     assert proposer.propose([seq], [2]).token_ids == [[7, 8]]
 
 
-def test_request_lookup_range_overrides_proposer():
+def test_request_lookup_range_overrides_the_default():
     tokens = [1, 2, 3, 7, 8, 5, 3, 9, 4, 1, 2, 3]
-    proposer = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4, use_cache=False)
-    assert proposer.propose([make_seq(tokens)], [1]).token_ids == [[7]]
+    proposer = NgramProposer(use_cache=False)
+    assert proposer.propose([make_seq(tokens)], [1]).token_ids == [[7]]          # default range 2..4
     assert proposer.propose([make_seq(tokens, prompt_lookup_min=1, prompt_lookup_max=1)], [1]).token_ids == [[9]]
-    assert proposer.propose([make_seq(tokens, prompt_lookup_min=5)], [1]).token_ids == [[]]
-    assert proposer.lookup_range(SamplingParams(prompt_lookup_min=5)) == (5, 5)
-    assert proposer.lookup_range(SamplingParams(prompt_lookup_max=1)) == (1, 1)
+    assert proposer.propose([make_seq(tokens, prompt_lookup_min=4, prompt_lookup_max=5)], [1]).token_ids == [[]]
+    assert proposer.lookup_range(SamplingParams(draft_options={"prompt_lookup_min": 3})) == (3, 4)
 
 
 def test_cache_used_only_when_context_has_no_match():
@@ -205,11 +204,9 @@ def test_on_finished_feeds_cache_unless_aborted():
 
 
 def test_proposer_invalid_params_raise():
-    with pytest.raises(ValueError, match="prompt_lookup_min"):
-        NgramProposer(prompt_lookup_min=0)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
-        NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
+        NgramProposer().check(SamplingParams(draft_options={"prompt_lookup_min": 3, "prompt_lookup_max": 2}))
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer().check(SamplingParams(draft_options={"prompt_lookup_min": 0}))
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         NgramProposer().propose([make_seq([1, 2], prompt_lookup_min=3, prompt_lookup_max=2)], [1])
-    with pytest.raises(ValueError, match="prompt_lookup_min"):
-        NgramProposer().propose([make_seq([1, 2], prompt_lookup_min=0)], [1])

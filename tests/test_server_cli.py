@@ -39,7 +39,7 @@ def test_defaults_flags_and_engine_config(tmp_path):
                   "--no-prefix-caching", "--kv-cache-memory-gb", "0.5", "--served-model-name", "a", "b",
                   "--num-assistant-tokens", "7", "--dtype", "bfloat16", "--max-num-seqs", "4"])
     config = engine_config_from_args(args)
-    assert (config.model, config.speculative_method, config.prompt_lookup_max, config.enable_prefix_caching,
+    assert (config.model, config.speculative_method, config.draft_options["prompt_lookup_max"], config.enable_prefix_caching,
             config.kv_cache_memory_gb, config.num_assistant_tokens, config.dtype, config.max_num_seqs) == (
         str(tmp_path), "ngram", 5, False, 0.5, 7, "bfloat16", 4)
     assert args.port == 9001 and args.served_model_name == ["a", "b"]

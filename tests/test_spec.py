@@ -43,7 +43,7 @@ def spec_llm(request, damped_pair):
 
 
 def greedy(max_tokens=40, **kw):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    return SamplingParams.from_dict(dict(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw))
 
 
 def ids(outputs):

@@ -14,11 +14,10 @@ from test_spec import PROMPTS, damped_pair, ids  # noqa: F401  (fixture)
 
 
 class BranchingDraft(DraftModelProposer):
-    supports_tree = True
 
-    def __init__(self, path, engine, width: int = 3):
-        super().__init__(path, engine)
-        self.vocab_size, self.width = engine.model_config.vocab_size, width
+    def __init__(self, path, ctx, width: int = 3):
+        super().__init__(path, ctx)
+        self.vocab_size, self.width = ctx.target_config.vocab_size, width
         self.rng = np.random.default_rng(0)
         self.chains = {}
 
@@ -60,8 +59,7 @@ class BranchingDraft(DraftModelProposer):
 def tree_llm(damped_pair):
     llm = LLM(str(damped_pair), kv_cache_memory_gb=0.05, speculative_method="draft", max_num_seqs=256)
     engine = llm.engine
-    engine.proposer = BranchingDraft(damped_pair / "draft", engine)
-    engine.proposer.bind(engine)
+    engine.proposer = BranchingDraft(damped_pair / "draft", engine.drafter_context)
     return llm
 
 

@@ -136,7 +136,5 @@ def test_no_proposer_drafts_nothing():
     proposer = NoProposer()
     assert proposer.max_draft_tokens(SamplingParams(num_assistant_tokens=5)) == 0
     assert proposer.propose([seq_of([1], 0)], [3]).token_ids == [[]]
-    assert proposer.aux_layers == () and not proposer.uses_kv_cache and not proposer.supports_tree
-    proposer.check(SamplingParams(tree_depth=0))
-    with pytest.raises(ValueError, match="tree drafting \\(tree_depth=2\\) needs a drafter that drafts trees.*'none'"):
-        proposer.check(SamplingParams(tree_depth=2))
+    assert proposer.aux_layers == () and not proposer.uses_kv_cache
+    assert proposer.options == ()

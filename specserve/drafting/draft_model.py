@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
-from specserve.runtime.sequence import Sequence
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
-from specserve.drafting.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.sequence import Sequence
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,29 +31,32 @@ class DraftModelProposer(Proposer):
     uses_kv_cache = True
     name = "draft"
 
-    def __init__(self, path: str | Path, engine):
-        self.config = ModelConfig.from_pretrained(path)
+    def __init__(self, path: str | Path, ctx: DrafterContext):
+        self.config = c = ModelConfig.from_pretrained(path)
         if (Path(path) / "tokenizer.json").exists():
-            check_same_tokenizer(engine.tokenizer, Tokenizer.from_pretrained(path), path)
-        elif self.config.vocab_size < engine.tokenizer.vocab_size:
-            raise ValueError(f"the draft model in {path} has a vocabulary of {self.config.vocab_size} tokens, "
-                             f"smaller than the target tokenizer's {engine.tokenizer.vocab_size}")
-        if self.config.max_position_embeddings < engine.max_model_len:
+            check_same_tokenizer(ctx.tokenizer, Tokenizer.from_pretrained(path), path)
+        elif c.vocab_size < ctx.tokenizer.vocab_size:
+            raise ValueError(f"the draft model in {path} has a vocabulary of {c.vocab_size} tokens, "
+                             f"smaller than the target tokenizer's {ctx.tokenizer.vocab_size}")
+        if c.max_position_embeddings < ctx.max_model_len:
             logger.warning("the draft model handles %d positions: max_model_len lowered from %d",
-                           self.config.max_position_embeddings, engine.max_model_len)
-            engine.max_model_len = self.config.max_position_embeddings
-        self.model = load_model(path, engine.dtype, engine.device, self.config).pack(engine.device, engine.dtype)
-        self.target_vocab = engine.model_config.vocab_size
-        c = self.config
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, engine.dtype,
-                                                   engine.device)
-        self.pending: dict[int, tuple[int, int]] = {}     # seq_id -> (committed length, tokens drafted)
-
-    def bind(self, engine) -> None:
-        c = self.config
+                           c.max_position_embeddings, ctx.max_model_len)
+            self.max_model_len = c.max_position_embeddings
+        self.model = load_model(path, ctx.dtype, ctx.device, c).pack(ctx.device, ctx.dtype)
+        self.target_vocab, self.device = ctx.target_config.vocab_size, ctx.device
         self.runner = ModelRunner(self.model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                  engine.block_manager.num_blocks, engine.block_manager.block_size,
-                                  engine.dtype, engine.device)
+                                  ctx.num_blocks, ctx.block_size, ctx.dtype, ctx.device)
+        self.pending: dict[int, tuple[int, int]] = {}     # seq_id -> (committed length, tokens drafted)
+        logger.info("drafting with the draft model in %s", path)
+
+    @classmethod
+    def create(cls, path: Path | None, ctx: DrafterContext) -> DraftModelProposer:
+        return cls(path, ctx)
+
+    @classmethod
+    def kv_bytes_per_token(cls, path: Path | None, ctx: DrafterContext) -> int:
+        c = ModelConfig.from_pretrained(path)
+        return kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden).float()
@@ -66,34 +69,22 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
-        B, K = len(seqs), max(num_draft_tokens)
-        sampled = [not seq.params.greedy for seq in seqs]
-        probs = torch.zeros(B, K, self.target_vocab) if any(sampled) else None
-        drafts: list[list[int]] = [[] for _ in seqs]
-        # first forward: catch up on every committed token the draft has not seen, ending at the last
-        items = [ForwardItem(seq.block_table, seq.num_drafter_computed, seq.token_ids[seq.num_drafter_computed:])
-                 for seq in seqs]
-        active = list(range(B))
-        for j in range(K):
+        def step_logits(step: int, active: list[int], drafts: list[list[int]]) -> torch.Tensor:
+            if step == 0:   # catch up on every committed token the draft has not seen, ending at the last
+                items = [ForwardItem(seq.block_table, seq.num_drafter_computed, seq.token_ids[seq.num_drafter_computed:])
+                         for seq in seqs]
+            else:
+                items = [ForwardItem(seqs[i].block_table, len(seqs[i]) + step - 1, drafts[i][-1:]) for i in active]
             h, _ = self.runner.forward(items)
-            last = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1
-            logits = self._logits(h[last])                                    # [b, V]
-            # greedy rows in a batch with sampled ones get a one-hot q
-            tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], j, probs is not None)
-            if probs is not None:
-                probs[torch.tensor(active), j] = q
-            for i, t in zip(active, tokens):
-                drafts[i].append(t)
-            if j == 0:
+            if step == 0:
                 for seq in seqs:
                     seq.num_drafter_computed = len(seq)
-            active = [i for i in active if len(drafts[i]) < num_draft_tokens[i]]
-            if not active:
-                break
-            items = [ForwardItem(seqs[i].block_table, len(seqs[i]) + j, [drafts[i][-1]]) for i in active]
-        for seq, d in zip(seqs, drafts):
+            return self._logits(h[torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1])    # [b, V]
+
+        draft = draft_chains(seqs, num_draft_tokens, self.target_vocab, self.device, step_logits)
+        for seq, d in zip(seqs, draft.token_ids):
             self.pending[seq.seq_id] = (len(seq), len(d))
-        return Draft(token_ids=drafts, probs=probs)
+        return draft
 
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
         for seq in seqs:

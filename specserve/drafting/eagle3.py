@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import MAX_NUM_ASSISTANT_TOKENS
-from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
-from specserve.runtime.sequence import Sequence
+from specserve.drafting.options import MAX_NUM_ASSISTANT_TOKENS, Option
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, restart_tail
+from specserve.drafting.tree import GrowingTree
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
 from specserve.models.packing import pack_for_inference
-from specserve.drafting.proposer import Draft, Proposer, TargetHidden, restart_tail
-from specserve.drafting.tree import GrowingTree
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.sequence import Sequence
+from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,36 +57,50 @@ class HeadState:
 
 class Eagle3Proposer(Proposer):
     uses_kv_cache = True
-    supports_tree = True
     name = "eagle3"
 
-    def __init__(self, path: str | Path, engine):
-        target = engine.model_config
+    options = (Option("branching_factor", 2, 1, "children per tree node (tree drafting)"),
+               Option("tree_depth", 0, 0, "draft tree depth; 0 drafts a chain", off=0))
+
+    def __init__(self, path: str | Path, ctx: DrafterContext):
+        target = ctx.target_config
         self.config = Eagle3Config.from_pretrained(path)
         self.layers = resolve_aux_layers(self.config.aux_layer_ids, target.num_hidden_layers)
         self.aux_layers = tuple(sorted(set(self.layers)))
         # the head reads the states concatenated in layer order, as vLLM and SGLang capture them
         self.aux_order = [self.aux_layers.index(i) for i in sorted(self.layers)]
-        max_positions = max(self.config.layer.max_position_embeddings, engine.max_model_len) + MAX_NUM_ASSISTANT_TOKENS
-        self.head: Eagle3Head = load_eagle3_head(path, engine.model.model.embed_tokens, target, engine.dtype,
-                                                 engine.device, max_positions)
-        pack_for_inference(self.head, engine.device, engine.dtype)
+        max_positions = max(self.config.layer.max_position_embeddings, ctx.max_model_len) + MAX_NUM_ASSISTANT_TOKENS
+        self.head: Eagle3Head = load_eagle3_head(path, ctx.target.model.embed_tokens, target, ctx.dtype,
+                                                 ctx.device, max_positions)
+        pack_for_inference(self.head, ctx.device, ctx.dtype)
         c = self.config.layer
-        self.block_size = engine.config.block_size
-        tail_bytes = c.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-        kv_bytes = kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, engine.dtype, engine.device)
-        self.kv_bytes_per_token = kv_bytes + -(-tail_bytes // self.block_size)
-        self.dtype, self.device = engine.dtype, engine.device
+        self.block_size, self.num_blocks = ctx.block_size, ctx.num_blocks
+        self.dtype, self.device = ctx.dtype, ctx.device
+        self.runner = ModelRunner(self.head, 1, c.num_key_value_heads, c.head_dim, self.num_blocks, self.block_size,
+                                  self.dtype, self.device)
+        self.block_tails = torch.zeros(self.num_blocks, c.hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, HeadState] = {}
         written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"
         logger.info("EAGLE3 head %s reads the target's hidden states entering layers %s (%s, target of %d layers)",
                     path, list(self.layers), written, target.num_hidden_layers)
+        self.check_acceptance(ctx.target, ctx.tokenizer)
+
+    @classmethod
+    def create(cls, path: Path | None, ctx: DrafterContext) -> Eagle3Proposer:
+        return cls(path, ctx)
+
+    @classmethod
+    def kv_bytes_per_token(cls, path: Path | None, ctx: DrafterContext) -> int:
+        c = Eagle3Config.from_pretrained(path).layer
+        tail_bytes = c.hidden_size * torch.empty((), dtype=ctx.dtype).element_size()
+        kv_bytes = kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
+        return kv_bytes + -(-tail_bytes // ctx.block_size)
 
     def check(self, params) -> None:
-        super().check(params)
-        if params.tree_depth <= 0:
+        settings = self.settings(params)
+        b, depth, k = settings["branching_factor"], settings["tree_depth"], params.num_assistant_tokens
+        if depth <= 0:
             return
-        b, depth, k = params.branching_factor, params.tree_depth, params.num_assistant_tokens
         if b * b * (depth - 1) + b < k:
             raise ValueError(f"a tree with branching_factor={b} and tree_depth={depth} has "
                              f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
@@ -94,18 +109,10 @@ class Eagle3Proposer(Proposer):
         vocab = self.config.draft_vocab_size
         if b > vocab:
             raise ValueError(f"branching_factor={b} is larger than the EAGLE3 head's draft vocabulary ({vocab} tokens)")
-        depth = min(params.tree_depth, params.num_assistant_tokens)        # the depth propose() grows
+        depth = min(depth, k)                                               # the depth propose() grows
         if (nodes := b + b * b * (depth - 1)) > MAX_TREE_NODES:
             raise ValueError(f"a tree with branching_factor={b} and depth {depth} grows {nodes} nodes per step; "
                              f"at most {MAX_TREE_NODES} are allowed (lower branching_factor or tree_depth)")
-
-    def bind(self, engine) -> None:
-        c = self.config.layer
-        self.num_blocks = engine.block_manager.num_blocks
-        self.runner = ModelRunner(self.head, 1, c.num_key_value_heads, c.head_dim, self.num_blocks, self.block_size,
-                                  self.dtype, self.device)
-        self.block_tails = torch.zeros(self.num_blocks, c.hidden_size, dtype=self.dtype, device=self.device)
-        self.check_acceptance(engine)
 
     def _forward(self, items: list[ForwardItem], hidden: torch.Tensor,
                  earlier_nodes: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -184,8 +191,9 @@ class Eagle3Proposer(Proposer):
             if state is None or state.tail is None or state.num_computed != seq.num_computed_tokens \
                     or state.num_computed != seq.num_drafter_computed or len(seq) != state.num_computed + 1:
                 continue
-            p = seq.params
-            trees[i] = GrowingTree(p.branching_factor, min(p.tree_depth, k)) if p.tree_depth > 0 else GrowingTree(1, k)
+            settings = self.settings(seq.params)
+            b, depth = settings["branching_factor"], settings["tree_depth"]
+            trees[i] = GrowingTree(b, min(depth, k)) if depth > 0 else GrowingTree(1, k)
         if trees:
             self._grow(seqs, trees)
         token_ids, parents = [[] for _ in seqs], [[] for _ in seqs]
@@ -267,15 +275,15 @@ class Eagle3Proposer(Proposer):
 
     # ---- start-up check ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def check_acceptance(self, engine) -> float:
+    def check_acceptance(self, target: torch.nn.Module, tokenizer: Tokenizer) -> float:
         """First-step greedy agreement of head and target on CHECK_PROMPTS, logged; a warning when near
         zero, naming the neighbouring layer choice when that one does much better (the classic trap)."""
-        target, L = engine.model, engine.model_config.num_hidden_layers
+        L = target.config.num_hidden_layers
         candidates = [self.layers] + [tuple(i + d for i in self.layers) for d in (-1, 1)]
         candidates = [c for c in candidates if all(0 <= i <= L for i in c)]
         total = {c: [0, 0] for c in candidates}
         for text in CHECK_PROMPTS:
-            ids = torch.tensor([engine.tokenizer.encode(text)], device=self.device)             # [1, T]
+            ids = torch.tensor([tokenizer.encode(text)], device=self.device)             # [1, T]
             T = ids.shape[1]
             if T < 3:
                 continue

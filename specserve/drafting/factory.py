@@ -6,6 +6,13 @@ import logging
 import re
 from pathlib import Path
 
+from specserve.config import SPEC_METHODS
+from specserve.drafting.draft_model import DraftModelProposer
+from specserve.drafting.eagle3 import Eagle3Proposer
+from specserve.drafting.mtp import MTPProposer
+from specserve.drafting.ngram import NgramProposer
+from specserve.drafting.options import NUM_ASSISTANT_TOKENS, Option
+from specserve.drafting.proposer import NoProposer, Proposer
 from specserve.models.config import ModelConfig
 from specserve.models.registry import MODEL_REGISTRY
 
@@ -15,6 +22,10 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 #: config.json key of a drafter shipped in the package: the sha256 digests of the GGUF files it was trained for
 TARGET_GGUF_KEY = "specserve_target_gguf_sha256"
 CONVERSION_NAME = re.compile(r"([0-9a-f]{64})-(bfloat16|float16|float32)")
+# --speculative-method -> its proposer
+METHODS: dict[str, type[Proposer]] = {"none": NoProposer, "ngram": NgramProposer, "draft": DraftModelProposer,
+                                      "eagle3": Eagle3Proposer, "mtp": MTPProposer}
+assert tuple(METHODS) == SPEC_METHODS, "config.SPEC_METHODS names every method here"
 
 
 def default_drafters_dir() -> Path:
@@ -95,26 +106,20 @@ def resolve_method(config, model_config: ModelConfig) -> tuple[str, Path | None]
     return method, found[method]
 
 
-def build_proposer(config, engine):
-    """Returns (proposer or None, method name, KV-cache bytes per token the drafter needs)."""
-    method, path = resolve_method(config, engine.model_config)
-    if method == "none":
-        return None, "none", 0
-    if method == "ngram":
-        from specserve.drafting.ngram import NgramProposer
-        d = engine.spec_defaults
-        return NgramProposer(d.prompt_lookup_min, d.prompt_lookup_max, use_cache=config.ngram_cache), "ngram", 0
-    if method == "draft":
-        from specserve.drafting.draft_model import DraftModelProposer
-        proposer = DraftModelProposer(path, engine)
-        logger.info("drafting with the draft model in %s", path)
-        return proposer, "draft", proposer.kv_bytes_per_token
-    if method == "eagle3":
-        from specserve.drafting.eagle3 import Eagle3Proposer
-        proposer = Eagle3Proposer(path, engine)
-        return proposer, "eagle3", proposer.kv_bytes_per_token
-    if method == "mtp":
-        from specserve.drafting.mtp import MTPProposer
-        proposer = MTPProposer(path, engine)
-        return proposer, "mtp", proposer.kv_bytes_per_token
-    raise ValueError(f"speculative method {method!r} is not supported yet")
+def proposer_class(method: str) -> type[Proposer]:
+    return METHODS[method]
+
+
+def method_options(method: str) -> tuple[Option, ...]:
+    """Every option a method reads: num_assistant_tokens (not for plain decoding), then its own."""
+    cls = METHODS[method]
+    return cls.options if cls is NoProposer else (NUM_ASSISTANT_TOKENS, *cls.options)
+
+
+def options_by_method() -> dict[str, tuple[Option, ...]]:
+    return {method: method_options(method) for method in METHODS}
+
+
+def all_options() -> tuple[Option, ...]:
+    """Every method's options, each once: the request fields, generation_config.json keys and flags there are."""
+    return tuple({o.name: o for method in METHODS for o in method_options(method)}.values())

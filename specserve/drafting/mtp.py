@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains, restart_tail
+from specserve.models.config import ModelConfig
+from specserve.models.mtp import load_mtp
+from specserve.models.packing import pack_for_inference
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.runtime.sequence import Sequence
-from specserve.models.packing import pack_for_inference
-from specserve.models.mtp import load_mtp
-from specserve.drafting.proposer import Draft, Proposer, TargetHidden, draw_draft_tokens, restart_tail
 
 logger = logging.getLogger(__name__)
 
@@ -40,29 +41,33 @@ class MTPProposer(Proposer):
     uses_kv_cache = True
     name = "mtp"
 
-    def __init__(self, path: str | Path | None, engine):
-        self.target = engine.model
-        mtp = load_mtp(path or engine.config.model, engine.model.config, engine.dtype, engine.device)
-        self.mtp = pack_for_inference(mtp, engine.device, engine.dtype)
+    def __init__(self, path: str | Path | None, ctx: DrafterContext):
+        self.target = ctx.target
+        source = path or ctx.model_dir
+        mtp = load_mtp(source, ctx.target_config, ctx.dtype, ctx.device)
+        self.mtp = pack_for_inference(mtp, ctx.device, ctx.dtype)
         c, N = self.mtp.config, self.mtp.num_layers
-        self.block_size = engine.config.block_size
-        self.dtype, self.device = engine.dtype, engine.device
-        tail_bytes = N * c.hidden_size * torch.empty((), dtype=engine.dtype).element_size()
-        kv_bytes = kv_cache_bytes_per_token(N, c.num_key_value_heads, c.head_dim, engine.dtype, engine.device)
-        self.kv_bytes_per_token = kv_bytes + math.ceil(tail_bytes / self.block_size)
+        self.block_size = ctx.block_size
+        self.dtype, self.device = ctx.dtype, ctx.device
+        self.runner = ModelRunner(self.mtp, N, c.num_key_value_heads, c.head_dim, ctx.num_blocks, self.block_size,
+                                  self.dtype, self.device)
+        self.block_tails = torch.zeros(ctx.num_blocks, N, c.hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, MTPState] = {}
-        logger.info("drafting with the %d MTP layer(s) in %s", N, path or engine.config.model)
-        k = engine.spec_defaults.num_assistant_tokens
-        if k > N:
+        logger.info("drafting with the %d MTP layer(s) in %s", N, source)
+        if (k := ctx.options["num_assistant_tokens"]) > N:
             logger.warning("num_assistant_tokens=%d but %d MTP layer(s): draft steps %d..%d reuse the last layer, "
                            "and acceptance falls past step %d", k, N, N + 1, k, N)
 
-    def bind(self, engine) -> None:
-        c, N = self.mtp.config, self.mtp.num_layers
-        num_blocks = engine.block_manager.num_blocks
-        self.runner = ModelRunner(self.mtp, N, c.num_key_value_heads, c.head_dim, num_blocks, self.block_size,
-                                  self.dtype, self.device)
-        self.block_tails = torch.zeros(num_blocks, N, c.hidden_size, dtype=self.dtype, device=self.device)
+    @classmethod
+    def create(cls, path: Path | None, ctx: DrafterContext) -> MTPProposer:
+        return cls(path, ctx)
+
+    @classmethod
+    def kv_bytes_per_token(cls, path: Path | None, ctx: DrafterContext) -> int:
+        c, N = ctx.target_config, ModelConfig.from_pretrained(path or ctx.model_dir).num_nextn_predict_layers
+        tail_bytes = N * c.hidden_size * torch.empty((), dtype=ctx.dtype).element_size()
+        kv_bytes = kv_cache_bytes_per_token(N, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
+        return kv_bytes + math.ceil(tail_bytes / ctx.block_size)
 
     def _state(self, seq: Sequence) -> MTPState:
         """The sequence's state, restarted where the engine reset its count (a new sequence, a preemption,
@@ -136,16 +141,13 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
-        B, K, N = len(seqs), max(num_draft_tokens), self.mtp.num_layers
-        vocab = self.target.config.vocab_size
-        probs = torch.zeros(B, K, vocab, device=self.device) if any(not seq.params.greedy for seq in seqs) else None
-        drafts: list[list[int]] = [[] for _ in seqs]
+        N = self.mtp.num_layers
         states = [self._state(seq) for seq in seqs]
         assert all(st.num_computed == len(seq) - 1 for st, seq in zip(states, seqs)), "drafting sequences are caught up"
-        outputs = [states[i].tails[:0] for i in range(B)]    # each sequence's rows of the previous step
-        last: list[torch.Tensor] = [states[i].tails[0] for i in range(B)]   # its last output
-        active = list(range(B))
-        for step in range(K):
+        outputs = [st.tails[:0] for st in states]          # each sequence's rows of the previous step
+        last: list[torch.Tensor] = [st.tails[0] for st in states]   # its last output
+
+        def step_logits(step: int, active: list[int], drafts: list[list[int]]) -> torch.Tensor:
             layer = min(step, N - 1)
             runs: list[tuple[int, ForwardItem, torch.Tensor]] = []
             for i in active:
@@ -167,16 +169,9 @@ class MTPProposer(Proposer):
                 out = self.mtp(layer, self._embed(input_ids, positions), torch.cat([r for _, _, r in runs]), positions, ctx)
                 for (i, item, _), rows in zip(runs, out.split([len(item.token_ids) for _, item, _ in runs])):
                     outputs[i], last[i] = rows, rows[-1]
-            logits = self.mtp.compute_logits(layer, torch.stack([last[i] for i in active]), self.target).float()
-            tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None)
-            for n, i in enumerate(active):
-                drafts[i].append(tokens[n])
-            if probs is not None:
-                probs[torch.tensor(active), step] = q
-            active = [i for i in active if len(drafts[i]) < num_draft_tokens[i]]
-            if not active:
-                break
-        return Draft(token_ids=drafts, probs=probs)
+            return self.mtp.compute_logits(layer, torch.stack([last[i] for i in active]), self.target).float()
+
+        return draft_chains(seqs, num_draft_tokens, self.target.config.vocab_size, self.device, step_logits)
 
     def on_finished(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specserve.drafting.proposer import Draft, Proposer
+from specserve.drafting.options import Option
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer
 
 if TYPE_CHECKING:
     from specserve.runtime.sequence import Sequence
@@ -148,33 +149,27 @@ class TokenBuffer:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup in each request's own tokens; when that finds nothing, the cross-request cache.
-
-    A request's prompt_lookup_min/max override the proposer's. When a request sets only one of
-    them, the other is taken from the proposer and widened to keep min <= max.
-    """
+    """Prompt lookup in each request's own tokens; when that finds nothing, the cross-request cache."""
     name = "ngram"
+    options = (Option("prompt_lookup_min", 2, 1, "smallest n-gram matched"),
+               Option("prompt_lookup_max", 4, 1, "largest n-gram matched", aliases=("max_ngram_size",)))
 
-    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-                 use_cache: bool = True, cache: NgramCache | None = None):
-        check_lookup_range(prompt_lookup_min, prompt_lookup_max)
-        self.prompt_lookup_min = prompt_lookup_min
-        self.prompt_lookup_max = prompt_lookup_max
+    def __init__(self, use_cache: bool = True, cache: NgramCache | None = None):
         self.cache: NgramCache | None = None
         if use_cache:
             self.cache = cache if cache is not None else NgramCache()
         self._buffers: dict[int, TokenBuffer] = {}
 
+    @classmethod
+    def create(cls, path, ctx: DrafterContext) -> NgramProposer:
+        return cls(use_cache=ctx.cross_request_cache)
+
+    def check(self, params: SamplingParams) -> None:
+        check_lookup_range(*self.lookup_range(params))
+
     def lookup_range(self, params: SamplingParams) -> tuple[int, int]:
-        min_n, max_n = params.prompt_lookup_min, params.prompt_lookup_max
-        if min_n is None and max_n is None:
-            return self.prompt_lookup_min, self.prompt_lookup_max
-        if min_n is None:
-            min_n = max(1, min(self.prompt_lookup_min, max_n))
-        if max_n is None:
-            max_n = max(self.prompt_lookup_max, min_n)
-        check_lookup_range(min_n, max_n)
-        return min_n, max_n
+        settings = self.settings(params)
+        return settings["prompt_lookup_min"], settings["prompt_lookup_max"]
 
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         token_ids: list[list[int]] = []

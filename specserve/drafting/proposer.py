@@ -5,18 +5,41 @@ The engine loop (schedule, propose, verify, accept) never changes when a method 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
-from specserve.sampling_params import sampling_tensors
+from specserve.drafting.options import Option
 from specserve.drafting.tree import Tree
+from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
+from specserve.models.config import ModelConfig
+from specserve.sampling_params import sampling_tensors
 
 if TYPE_CHECKING:
     from specserve.runtime.sequence import Sequence
     from specserve.sampling_params import SamplingParams
+    from specserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterContext:
+    """What a proposer is built from: the target parts a drafter may share or check itself against, and the
+    KV layout its own cache must follow (the target's block tables index it)."""
+    target: nn.Module                  # the target model: its embedding and head, its hidden states
+    target_config: ModelConfig
+    tokenizer: Tokenizer
+    model_dir: Path                    # the target's folder (MTP layers may sit in its checkpoint)
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    num_blocks: int                    # 0 while the KV cache is being sized (kv_bytes_per_token)
+    max_model_len: int
+    options: dict[str, int]            # the engine-wide value of every option of the method, num_assistant_tokens too
+    cross_request_cache: bool = True   # a drafter may learn from earlier requests (the n-gram cache)
 
 
 @dataclass(slots=True)
@@ -84,6 +107,29 @@ def draw_draft_tokens(logits: torch.Tensor, seqs: list[Sequence], step: int, nee
     return sample_from_probs(q, u.to(logits.device)).tolist(), q
 
 
+def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: int, device: torch.device,
+                 step_logits: Callable[[int, list[int], list[list[int]]], torch.Tensor]) -> Draft:
+    """The loop of every drafter that drafts chains token by token: at step j, step_logits(j, active, drafts)
+    gives the logits [len(active), V] of the next token of the sequences at `active` (drafts[i]: i's tokens so
+    far); a sequence leaves once it has num_draft_tokens[i]. q is kept when some request samples."""
+    B, K = len(seqs), max(num_draft_tokens)
+    probs = torch.zeros(B, K, vocab_size, device=device) if any(not s.params.greedy for s in seqs) else None
+    drafts: list[list[int]] = [[] for _ in seqs]
+    active = list(range(B))
+    for step in range(K):
+        logits = step_logits(step, active, drafts)
+        # greedy rows in a batch with sampled ones get a one-hot q
+        tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None)
+        for i, token in zip(active, tokens):
+            drafts[i].append(token)
+        if probs is not None:
+            probs[torch.tensor(active), step] = q
+        active = [i for i in active if len(drafts[i]) < num_draft_tokens[i]]
+        if not active:
+            break
+    return Draft(token_ids=drafts, probs=probs)
+
+
 def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> torch.Tensor | None:
     """What a drafter that keeps per-block tails (block_tails [num_blocks, ...]: the state its next slot reads,
     stored at the last slot of every full block) reads when it restarts at seq.num_drafter_computed after the
@@ -106,25 +152,36 @@ class Proposer(ABC):
     aux_layers: tuple[int, ...] = ()
     #: True when the proposer keeps a KV cache that shares the target's block tables
     uses_kv_cache: bool = False
-    #: True when the proposer drafts trees (Draft.parents); requests with tree_depth > 0 need it
-    supports_tree: bool = False
     #: the method's name, as --speculative-method spells it
     name: str = ""
+    #: the per-request settings the method reads, besides num_assistant_tokens (drafting/options.py)
+    options: tuple[Option, ...] = ()
+    #: the longest context the drafter handles, when shorter than the target's (the engine's limit follows)
+    max_model_len: int | None = None
 
-    def bind(self, engine) -> None:
-        """Called once the engine exists (its block size, KV budget and target model are known)."""
+    @classmethod
+    def create(cls, path: Path | None, ctx: DrafterContext) -> Proposer:
+        """The proposer, ready to draft: weights loaded, its KV cache (ctx.num_blocks blocks) allocated."""
+        return cls()
+
+    @classmethod
+    def kv_bytes_per_token(cls, path: Path | None, ctx: DrafterContext) -> int:
+        """Bytes per token of the drafter's own KV cache and per-block state, from its config alone (the engine
+        splits its KV budget before anything is loaded)."""
+        return 0
 
     def check(self, params: SamplingParams) -> None:
-        """Raise ValueError when a request's resolved settings ask more of this method than it can
-        serve; called when the request is admitted, so that no step fails on them. A method that
-        adds checks calls this one too."""
-        if params.tree_depth > 0 and not self.supports_tree:
-            raise ValueError(f"tree drafting (tree_depth={params.tree_depth}) needs a drafter that drafts "
-                             f"trees (eagle3); this server drafts with {self.name!r}")
+        """Raise ValueError when a request's resolved settings (params.draft_options holds every option of the
+        method) ask more of this method than it can serve; called when the request is admitted, so that no step
+        fails on them."""
+
+    def settings(self, params: SamplingParams) -> dict[str, int]:
+        """The request's value of each of the method's options (its default where unresolved)."""
+        return {o.name: params.draft_options.get(o.name, o.default) for o in self.options}
 
     def max_draft_tokens(self, params: SamplingParams) -> int:
         """How many tokens a request drafts per step at most (its resolved num_assistant_tokens)."""
-        return params.num_assistant_tokens
+        return params.num_assistant_tokens or 0
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
@@ -141,6 +198,10 @@ class Proposer(ABC):
 class NoProposer(Proposer):
     """Plain decoding: no request drafts, so the engine's loop needs no special case for it."""
     name = "none"
+
+    def settings(self, params: SamplingParams) -> dict[str, int]:
+        """The request's value of each of the method's options (its default where unresolved)."""
+        return {o.name: params.draft_options.get(o.name, o.default) for o in self.options}
 
     def max_draft_tokens(self, params: SamplingParams) -> int:
         return 0

@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from specserve.config import GenerationConfig
 from specserve.engine.llm_engine import LLMEngine, StepOutput
 from specserve.runtime.sequence import SeqSnapshot
 from specserve.sampling_params import SamplingParams
@@ -141,6 +142,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        return self.engine.generation_config
 
     @property
     def max_len(self) -> int:

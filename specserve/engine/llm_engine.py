@@ -3,23 +3,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from specserve.config import EngineConfig, MAX_NUM_ASSISTANT_TOKENS, SpecDefaults
+from specserve.config import EngineConfig, GenerationConfig
+from specserve.drafting.factory import all_options, options_by_method, proposer_class, resolve_method
+from specserve.drafting.options import NUM_ASSISTANT_TOKENS, canonical, reject_foreign, resolve_options, spellings
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
+from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
-from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
-from specserve.runtime.sequence import SeqSnapshot, Sequence, SpecStats
 from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model, parse_dtype
+from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
+from specserve.runtime.sequence import SeqSnapshot, Sequence, SpecStats
 from specserve.sampling_params import SamplingParams
-from specserve.drafting.factory import build_proposer
-from specserve.drafting.proposer import Draft, NoProposer, Proposer, TargetHidden
-from specserve.drafting.tree import path_moves
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,24 +90,27 @@ class LLMEngine:
         self.model.pack(self.device, self.dtype, config.quantization)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.spec_defaults = SpecDefaults.from_generation_config(config.model)
-        for name in SpecDefaults.__slots__:
-            if getattr(config, name) is not None:
-                setattr(self.spec_defaults, name, getattr(config, name))
-        proposer, self.spec_method, drafter_bytes_per_token = build_proposer(config, self)
-        self.proposer: Proposer = proposer if proposer is not None else NoProposer()
+        self.generation_config = GenerationConfig.from_model_dir(config.model)
+        self.spec_method, drafter_path = resolve_method(config, self.model_config)
+        self.draft_defaults = self._draft_defaults()
+        proposer_cls = proposer_class(self.spec_method)
         mc = self.model_config
+        ctx = DrafterContext(self.model, mc, self.tokenizer, Path(config.model), self.dtype, self.device,
+                             config.block_size, 0, self.max_model_len, self.draft_defaults, config.ngram_cache)
         target_bytes = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
                                                 self.device)
-        bytes_per_block = (target_bytes + drafter_bytes_per_token) * config.block_size
+        bytes_per_block = (target_bytes + proposer_cls.kv_bytes_per_token(drafter_path, ctx)) * config.block_size
         num_blocks = int(config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than 2 blocks")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                   num_blocks, config.block_size, self.dtype, self.device, row_by_row=True)
+        self.drafter_context = replace(ctx, num_blocks=num_blocks)
+        self.proposer: Proposer = proposer_cls.create(drafter_path, self.drafter_context)
+        if self.proposer.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        self.proposer.bind(self)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
         # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
@@ -117,21 +122,30 @@ class LLMEngine:
                     config.model, mc.architectures[0], self.dtype, self.device, num_blocks, config.block_size,
                     self.spec_method)
 
+    def _draft_defaults(self) -> dict[str, int]:
+        """The engine-wide value of each option of the serving method: the engine's flag, then the model's
+        generation_config.json, then the option's default."""
+        every, known = options_by_method(), spellings(all_options())
+        flags = dict(self.config.draft_options)
+        if self.config.num_assistant_tokens is not None:
+            flags["num_assistant_tokens"] = self.config.num_assistant_tokens
+        flags = canonical(flags, all_options(), " (engine option)")
+        reject_foreign(flags, self.spec_method, every)
+        gen = {k: v for k, v in self.generation_config.values.items() if k in known}
+        gen = canonical(gen, all_options(), f" in {self.config.model}/generation_config.json")
+        return {o.name: flags.get(o.name, gen.get(o.name, o.default)) for o in every[self.spec_method]}
+
     # ---- requests ---------------------------------------------------------------------------
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        """Fill the request's unset speculative fields from the defaults, and check them (the drafting
-        method checks what is its own: tree settings, its limits)."""
-        d = self.spec_defaults
-        for name in SpecDefaults.__slots__:
-            if getattr(params, name) is None:
-                setattr(params, name, getattr(d, name))
-        if params.prompt_lookup_max < params.prompt_lookup_min:
-            raise RequestError(f"prompt_lookup_max ({params.prompt_lookup_max}) must be >= "
-                               f"prompt_lookup_min ({params.prompt_lookup_min})")
-        if params.num_assistant_tokens > MAX_NUM_ASSISTANT_TOKENS:
-            raise RequestError(f"num_assistant_tokens must be <= {MAX_NUM_ASSISTANT_TOKENS}, "
-                               f"got {params.num_assistant_tokens}")
+        """Fill the request's unset drafting settings from the engine's, and check them (the drafting method
+        checks what is its own: tree settings, its limits)."""
         try:
+            requested = canonical(params.draft_options, all_options())
+            reject_foreign(requested, self.spec_method, options_by_method())
+            if params.num_assistant_tokens is None:
+                params.num_assistant_tokens = self.draft_defaults.get("num_assistant_tokens", 0)
+            NUM_ASSISTANT_TOKENS.check(params.num_assistant_tokens)
+            params.draft_options = resolve_options(requested, self.proposer.options, self.draft_defaults)
             self.proposer.check(params)
         except ValueError as e:
             raise RequestError(str(e)) from e

@@ -112,7 +112,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     state = ServerState(engine, names, api_key, ServerMetrics(names[0], engine),
-                        SamplingDefaults.from_model_dir(engine.model_path))
+                        SamplingDefaults.of(engine.generation_config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -274,7 +274,7 @@ def run_server(args: argparse.Namespace) -> None:
     names = args.served_model_name or [str(args.model) if args.model is not None else "specserve-demo"]
     logger.info("serving %s as %s on http://%s:%d (speculative method: %s%s)", config.model, ", ".join(names),
                 args.host, args.port, engine.spec_method,
-                f", {engine.spec_defaults.num_assistant_tokens} draft tokens" if engine.spec_method != "none" else "")
+                f", {engine.draft_defaults['num_assistant_tokens']} draft tokens" if engine.spec_method != "none" else "")
     async_engine = AsyncEngine(engine, args.max_queue_len)
     app = build_app(async_engine, names, args.api_key, args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

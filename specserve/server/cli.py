@@ -13,6 +13,7 @@ from pathlib import Path
 from specserve.cli_args import ENGINE_DEFAULTS, add_engine_arguments, int_at_least
 from specserve.cli_args import default as engine_default
 from specserve.config import DEFAULT_MODEL_NAME
+from specserve.drafting.factory import all_options
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_queue_len": 256, "log_level": "info",
@@ -21,7 +22,8 @@ SERVE_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_queue_len": 256, "log_
 
 def default(name: str) -> str:
     return engine_default(name, SERVE_DEFAULTS)
-CONFIG_ALIASES = {"draft_models_path": "draft_model", "model_path": "model", "max_ngram_size": "prompt_lookup_max"}
+CONFIG_ALIASES = {"draft_models_path": "draft_model", "model_path": "model",
+                  **{alias: o.name for o in all_options() for alias in o.aliases}}
 CONFIG_NEGATIONS = {"enable_prefix_caching": "no_prefix_caching", "ngram_cache": "no_ngram_cache"}
 PATH_KEYS = ("model", "draft_model")
 

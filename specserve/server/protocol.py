@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any, Callable
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, \
+    model_validator
 
-from specserve.config import MAX_NUM_ASSISTANT_TOKENS
+from specserve.config import GenerationConfig
+from specserve.drafting.factory import all_options
+from specserve.drafting.options import NUM_ASSISTANT_TOKENS, Option, spellings
 from specserve.sampling_params import (
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
 )
@@ -93,16 +96,25 @@ class SamplingDefaults:
     max_tokens: int | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> SamplingDefaults:
-        path = Path(model_dir) / "generation_config.json"
-        gen = json.loads(path.read_text()) if path.exists() else {}
+    def of(cls, gen: GenerationConfig) -> SamplingDefaults:
         temperature = gen.get("temperature")
         if gen.get("do_sample") is False:    # transformers' meaning: greedy unless the request samples
             temperature = 0.0
         return cls(temperature, gen.get("top_p"), gen.get("top_k"), gen.get("max_new_tokens"))
 
 
-class GenerationRequest(OpenAIRequest):
+def option_field(option: Option) -> tuple[Any, None]:
+    bounds = Field(ge=option.minimum, le=option.maximum, description=option.help)
+    return Annotated[int, bounds, BeforeValidator(integral)] | None, None
+
+
+# the drafting methods' request fields (drafting/options.py), each spelling its own field; the method validates
+# their combination when the engine admits the request
+DraftingFields = create_model("DraftingFields", __base__=OpenAIRequest,
+                              **{name: option_field(o) for name, o in spellings(all_options()).items()})
+
+
+class GenerationRequest(DraftingFields):
     """Fields shared by chat and text completions."""
     model: str | None = None
     max_tokens: PositiveInt | None = None
@@ -115,13 +127,6 @@ class GenerationRequest(OpenAIRequest):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # speculative decoding
-    num_assistant_tokens: Annotated[int, Field(ge=0, le=MAX_NUM_ASSISTANT_TOKENS), BeforeValidator(integral)] | None = None
-    prompt_lookup_min: PositiveInt | None = None
-    prompt_lookup_max: PositiveInt | None = None
-    max_ngram_size: PositiveInt | None = None             # transformers' name for prompt_lookup_max
-    branching_factor: PositiveInt | None = None
-    tree_depth: NonNegativeInt | None = None
 
     @field_validator("stop")
     @classmethod
@@ -152,6 +157,11 @@ class GenerationRequest(OpenAIRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def draft_options(self) -> dict[str, int]:
+        """The drafting options the request sets, but num_assistant_tokens, by their spelling in the request."""
+        return {name: value for name in spellings(all_options()) if name != NUM_ASSISTANT_TOKENS.name
+                and (value := getattr(self, name)) is not None}
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -180,10 +190,7 @@ class GenerationRequest(OpenAIRequest):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 num_assistant_tokens=self.num_assistant_tokens,
-                prompt_lookup_min=self.prompt_lookup_min,
-                prompt_lookup_max=first_set(self.prompt_lookup_max, self.max_ngram_size),
-                branching_factor=self.branching_factor,
-                tree_depth=self.tree_depth,
+                draft_options=self.draft_options(),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
