@@ -214,7 +214,7 @@ def test_engine_greedy_equals_unprepared(qwen3_dir, monkeypatch, kernel):
     prompts = ["def fibonacci(n):", "To be, or not to be"]
     with monkeypatch.context() as m:
         m.setattr(linear, "pack_linears", lambda module, *args, **kw: module)
-        m.setattr("specserve.models.llama.pack_linears", lambda module, *args, **kw: module)
+        m.setattr("specserve.models.packing.pack_linears", lambda module, *args, **kw: module)
         unpacked = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01)
         assert unpacked.engine.model.lm_head is None
         plain = [o.outputs[0].token_ids for o in unpacked.generate(prompts, params)]

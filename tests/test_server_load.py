@@ -67,8 +67,8 @@ def expected() -> list[tuple[str, int]]:
     out = []
     for i in range(NUM_CLIENTS):
         path, body = request_of(i)
-        params = SamplingParams(**{k: body[k] for k in ("temperature", "max_tokens", "ignore_eos", *METHODS[i % 3])},
-                                seed=body.get("seed"))
+        params = SamplingParams.from_dict({**{k: body[k] for k in ("temperature", "max_tokens", "ignore_eos",
+                                                                    *METHODS[i % 3])}, "seed": body.get("seed")})
         result = (llm.chat(body["messages"], params) if "messages" in body else llm.generate(body["prompt"], params))[0]
         out.append((result.outputs[0].text, len(result.outputs[0].token_ids)))
     return out
