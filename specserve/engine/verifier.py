@@ -105,8 +105,8 @@ def accept_chains(y: torch.Tensor, p: torch.Tensor | None, drafts: list[list[int
     if K == 0:                         # no drafts this step: each row's draw is its token
         return [[token] for token in y[:, 0].tolist()]
     draft_tokens = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.int64).view(C, K)
-    num_draft = torch.tensor([len(d) for d in drafts])
-    out, num = verify_greedy(y, draft_tokens, num_draft)
+    num_draft_tokens = torch.tensor([len(d) for d in drafts])
+    out, num = verify_greedy(y, draft_tokens, num_draft_tokens)
     sampled_q = [c for c, q in enumerate(qs) if q is not None and p is not None]
     if sampled_q:                      # the rejection rule (Leviathan et al.) on those rows
         q = torch.zeros(len(sampled_q), K, p.shape[-1])
@@ -116,7 +116,7 @@ def accept_chains(y: torch.Tensor, p: torch.Tensor | None, drafts: list[list[int
         starts = [[len(seqs[c]) + j for j in range(K + 1)] for c in sampled_q]
         u_accept = position_uniforms(seeds, [s[:K] for s in starts], stream=1)
         u_sample = position_uniforms(seeds, starts)
-        out_q, num_q = verify_rejection(p[sampled_q], draft_tokens[sampled_q], num_draft[sampled_q], q,
+        out_q, num_q = verify_rejection(p[sampled_q], draft_tokens[sampled_q], num_draft_tokens[sampled_q], q,
                                         u_accept, u_sample)
         out[sampled_q], num[sampled_q] = out_q, num_q
     return [row[:n] for row, n in zip(out.tolist(), num.tolist())]

@@ -22,13 +22,13 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_target_forwards: int = 0              # decode forwards of the target for this request
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft > 0:
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted > 0:
             self.num_drafts += 1
-            self.num_draft_tokens += num_draft
+            self.num_draft_tokens += num_drafted
             self.num_accepted_tokens += num_accepted
-            if len(self.accepted_per_position) < num_draft:
-                self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+            if len(self.accepted_per_position) < num_drafted:
+                self.accepted_per_position.extend([0] * (num_drafted - len(self.accepted_per_position)))
             for i in range(num_accepted):
                 self.accepted_per_position[i] += 1
 
