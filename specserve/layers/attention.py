@@ -5,11 +5,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.layers.linear import bf16_packing_supported
+
 
 def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """bf16 models on CPU keep K/V in fp32 (the exact bf16 values): attention runs in fp32 there
-    (paged_attention), and a bf16 cache would be converted again at every layer of every step."""
-    return torch.float32 if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else dtype
+    """bf16 models keep K/V in bf16, except on a CPU without native bf16 products (AVX2 only), where they are
+    kept in fp32 (the exact bf16 values) and attention runs in fp32: bf16 products are emulated there."""
+    cpu = torch.device(device).type == "cpu"
+    return torch.float32 if dtype == torch.bfloat16 and cpu and not bf16_packing_supported() else dtype
 
 
 @dataclass(slots=True)
@@ -74,10 +77,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     # enable_gqa reads it once per query head (at 4k slots: 304 vs 371 us a layer, one thread)
     queries = queries.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
     mask = ctx.attn_mask if ctx.attn_mask is None or G == 1 else ctx.attn_mask.repeat(1, 1, G, 1)
-    # a bf16 model on CPU has an fp32 cache (runtime/model_runner.py) and attends in fp32: torch's CPU attention
-    # kernels are 6-8x slower in bf16 than in fp32 here (84 vs 13 us for one decode query over 250 slots)
-    upcast = queries.dtype != keys.dtype
-    out = F.scaled_dot_product_attention(queries.to(keys.dtype) if upcast else queries, keys, values, attn_mask=mask)
+    # a bf16 model attends in fp32 on CPU, as it did when its cache was fp32 (prompt chunks: as fast as in bf16)
+    work = torch.float32 if keys.device.type == "cpu" else keys.dtype
+    upcast = queries.dtype != work
+    out = F.scaled_dot_product_attention(queries.to(work), keys.to(work), values.to(work), attn_mask=mask)
     if upcast:
         out = out.to(q.dtype)
     out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4)                              # [B, Q, Hkv, G, D]
@@ -87,20 +90,42 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     return out if ctx.row_by_row is None else attend_row_by_row(q, cache, ctx.row_by_row, out)
 
 
+# a row that sees at least this many slots of a bf16 cache on CPU attends with two bf16 matrix products (oneDNN,
+# fp32 accumulation); below it, fp32 SDPA over the slots upcast is faster (fixed costs of oneDNN's calls)
+BF16_PRODUCTS_MIN_SLOTS = 768
+
+
 def attend_row_by_row(q: torch.Tensor, cache: torch.Tensor, items: list[RowByRow], out: torch.Tensor) -> torch.Tensor:
-    """q [N, Hq, D] -> out [N, Hq, D], each listed row as a decode step computes it (K/V already written)."""
+    """q [N, Hq, D] -> out [N, Hq, D], each listed row as a decode step computes it (K/V already written).
+    A row's bits depend only on its query and the K/V it sees, in order: its slots are always read head-major
+    (in place, or gathered into that layout), so in place and gathered give the same products."""
     Hkv, D = cache.shape[2:]
     G = q.shape[1] // Hkv
+    heads = cache.permute(1, 2, 0, 3)                 # [2, Hkv, S, D]: the storage's own order (model_runner.py)
     for item in items:
-        kv = cache[item.run_start:item.run_start + item.num_slots] if item.run_start is not None else \
-            cache.index_select(0, item.slots)                                         # [T, 2, Hkv, D]
+        kv = heads[:, :, item.run_start:item.run_start + item.num_slots] if item.run_start is not None else \
+            heads.index_select(2, item.slots)                                          # [2, Hkv, T, D]
         for r, seen in enumerate(item.seen):
-            part = kv[:seen] if isinstance(seen, int) else kv.index_select(0, seen)
-            keys, values = part[:, 0].transpose(0, 1).unsqueeze(0), part[:, 1].transpose(0, 1).unsqueeze(0)
-            query = q[item.first + r].view(1, Hkv, G, D)                               # the G heads of a K/V head
-            o = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values)      # [1, Hkv, G, D]
-            out[item.first + r] = o.view(-1, D).to(out.dtype)
+            keys, values = kv[:, :, :seen] if isinstance(seen, int) else kv.index_select(2, seen)
+            row = item.first + r
+            out[row] = attend_one_row(q[row].view(Hkv, G, D), keys, values).view(-1, D)
     return out
+
+
+def attend_one_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """query [Hkv, G, D] (the G query heads of each K/V head), keys/values [Hkv, T, D] -> [Hkv, G, D]."""
+    T, D = keys.shape[1:]
+    if keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and T >= BF16_PRODUCTS_MIN_SLOTS:
+        # scores as [T, G] per head: oneDNN's bf16 product with the T slots as rows reads K as stored (with T
+        # as columns it reorders K first: 4x slower); softmax in fp32 along the last dimension (along a
+        # middle one torch's kernel is 4x slower), then probabilities in bf16 times V, as torch's bf16 SDPA does
+        scores = torch.matmul(keys, query.transpose(1, 2))                              # [Hkv, T, G]
+        probs = torch.softmax(scores.transpose(1, 2).float().mul_(D ** -0.5), dim=-1)   # [Hkv, G, T]
+        return torch.matmul(probs.to(values.dtype), values)
+    # torch's CPU SDPA runs 6-8x slower in bf16 than in fp32 for one row (84 vs 13 us over 250 slots)
+    work = torch.float32 if keys.device.type == "cpu" else keys.dtype
+    out = F.scaled_dot_product_attention(query.to(work)[None], keys.to(work)[None], values.to(work)[None])[0]
+    return out.to(query.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""The one-row attention kernels (layers/attention.py, attend_row_by_row): close to a float64 reference for chain
+and tree rows on both sides of the slot count where a bf16 cache switches from fp32 SDPA to bf16 products, and
+a row's bits the same whatever is computed beside it, in place or gathered; on an AVX2-only CPU, an fp32 cache."""
+import pytest
+import torch
+
+from specserve.drafting.tree import Tree
+from specserve.layers.attention import BF16_PRODUCTS_MIN_SLOTS, kv_cache_dtype, paged_attention
+from specserve.runtime.model_runner import ForwardItem, ModelRunner
+
+HKV, G, D, BLOCK = 3, 3, 64, 16
+LENGTHS = (5, 300, BF16_PRODUCTS_MIN_SLOTS - 3, BF16_PRODUCTS_MIN_SLOTS + 1, 2000)   # contexts before a step
+
+
+def runner(dtype: torch.dtype, num_blocks: int = 160) -> ModelRunner:
+    return ModelRunner(None, 1, HKV, D, num_blocks, BLOCK, dtype, row_by_row=True)
+
+
+def attend(r: ModelRunner, items: list[ForwardItem], q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    _, _, ctx = r.prepare(items)
+    return paged_attention(q, kv[:, 0], kv[:, 1], ctx, 0)
+
+
+def inputs(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, Hq, D], kv [n, 2, Hkv, D]; queries 3x a unit vector's scale, so that a few scores stand out."""
+    g = torch.Generator().manual_seed(seed)
+    q = 3 * torch.randn(n, HKV * G, D, generator=g)
+    return q.to(dtype), torch.randn(n, 2, HKV, D, generator=g).to(dtype)
+
+
+def reference(q: torch.Tensor, kv: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """One row in float64: q [Hq, D] over the context entries `seen` of kv [n, 2, Hkv, D] -> [Hq, D]."""
+    k, v = (kv[seen, i].double().transpose(0, 1) for i in (0, 1))                    # [Hkv, T, D]
+    scores = q.double().view(HKV, G, D) @ k.transpose(1, 2) / D ** 0.5                 # [Hkv, G, T]
+    return (scores.softmax(-1) @ v).reshape(HKV * G, D)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, num_seen: int) -> None:
+    """fp32: summation order; bf16 below the switch: the output's own rounding (2^-9); past it also the scores'
+    rounding to bf16, which these sharp rows (scores of std 3) turn into up to ~2% of the largest output."""
+    tol = 1e-5 if dtype == torch.float32 else 4e-2 if num_seen >= BF16_PRODUCTS_MIN_SLOTS else 5e-3
+    err, scale = (out.double() - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= tol * scale, (err, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_ctx", LENGTHS)
+def test_chain_and_tree_rows_are_close_to_float64(dtype, n_ctx):
+    q, kv = inputs(n_ctx + 6, dtype, n_ctx)
+    table = list(range(-(-(n_ctx + 6) // BLOCK)))
+    r = runner(dtype)
+    attend(r, [ForwardItem(table, 0, list(range(n_ctx)))], q[:n_ctx], kv[:n_ctx])
+    chain = attend(r, [ForwardItem(table, n_ctx, [0] * 6)], q[n_ctx:], kv[n_ctx:])
+    for i in range(6):
+        assert_close(chain[i], reference(q[n_ctx + i], kv, torch.arange(n_ctx + i + 1)), dtype, n_ctx + i + 1)
+    tree = Tree([-1, 0, 0, 1, 2, 3])
+    out = attend(r, [ForwardItem(table, n_ctx, [0] * 6, tree_mask=tree.attn_mask)], q[n_ctx:], kv[n_ctx:])
+    for i, row in enumerate(tree.attn_mask):
+        seen = torch.cat((torch.arange(n_ctx), n_ctx + torch.nonzero(row).view(-1)))
+        assert_close(out[i], reference(q[n_ctx + i], kv, seen), dtype, len(seen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_has_the_same_bits_alone_in_a_verify_step_beside_a_batch_in_place_or_gathered(dtype):
+    """Decoded one by one, the context is one run of blocks until the step's last token needs block 50, which
+    does not follow: the verify step gathers what the decode steps read in place. Each row crosses the slot
+    count where the kernel changes (the same kernel for a row either way: it depends on the row's own count)."""
+    n_ctx, n_new = BF16_PRODUCTS_MIN_SLOTS - 2, 6
+    blocks = -(-(n_ctx + n_new) // BLOCK)
+    table = list(range(blocks - 1)) + [50]
+    assert (n_ctx + 1) // BLOCK < blocks - 1 and (n_ctx + n_new - 1) // BLOCK == blocks - 1
+    q, kv = inputs(n_ctx + n_new, dtype, 7)
+    other_q, other_kv = inputs(40, dtype, 8)
+    decode, verify, batch = runner(dtype), runner(dtype), runner(dtype)
+    for r in (decode, verify, batch):
+        attend(r, [ForwardItem(table, 0, list(range(n_ctx)))], q[:n_ctx], kv[:n_ctx])
+    attend(batch, [ForwardItem([100, 101, 102], 0, list(range(39)))], other_q[:39], other_kv[:39])
+    alone = []
+    for i in range(n_ctx, n_ctx + n_new):
+        _, _, ctx = decode.prepare([ForwardItem(table, i, [0])])
+        assert (ctx.row_by_row[0].run_start is None) == (i // BLOCK == blocks - 1)
+        alone.append(attend(decode, [ForwardItem(table, i, [0])], q[i:i + 1], kv[i:i + 1]))
+    alone = torch.cat(alone)
+    at_once = attend(verify, [ForwardItem(table, n_ctx, [0] * n_new)], q[n_ctx:], kv[n_ctx:])
+    assert torch.equal(at_once, alone)
+    beside = attend(batch, [ForwardItem([100, 101, 102], 39, [0]), ForwardItem(table, n_ctx, [0] * n_new)],
+                    torch.cat((other_q[39:], q[n_ctx:])), torch.cat((other_kv[39:], kv[n_ctx:])))
+    assert torch.equal(beside[1:], alone)
+
+
+def test_cache_dtype_follows_the_cpu(monkeypatch):
+    from specserve.layers.linear import bf16_packing_supported
+    native = bf16_packing_supported()
+    assert kv_cache_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert kv_cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    assert kv_cache_dtype(torch.float32, "cpu") == torch.float32
+    from cpu_features import without_bf16_onednn
+    without_bf16_onednn(monkeypatch)
+    assert kv_cache_dtype(torch.bfloat16, "cpu") == torch.float32
+
+
+@pytest.mark.parametrize("n_ctx", (300, BF16_PRODUCTS_MIN_SLOTS + 1))
+def test_a_bf16_model_on_an_avx2_cpu_attends_over_an_fp32_cache(monkeypatch, n_ctx):
+    """As on an AVX2-only CPU: a bf16 model's K/V are kept in fp32 (the exact bf16 values) and attended in fp32."""
+    from cpu_features import without_bf16_onednn
+    without_bf16_onednn(monkeypatch)
+    q, kv = inputs(n_ctx + 3, torch.bfloat16, 3)
+    r = runner(torch.bfloat16)
+    assert r.kv_cache.dtype == torch.float32
+    table = list(range(-(-(n_ctx + 3) // BLOCK)))
+    attend(r, [ForwardItem(table, 0, list(range(n_ctx)))], q[:n_ctx], kv[:n_ctx])
+    out = attend(r, [ForwardItem(table, n_ctx, [0] * 3)], q[n_ctx:], kv[n_ctx:])
+    assert out.dtype == torch.bfloat16
+    for i in range(3):                  # fp32 attention at any length: only the output is rounded (num_seen 0)
+        assert_close(out[i], reference(q[n_ctx + i], kv, torch.arange(n_ctx + i + 1)), torch.bfloat16, 0)
