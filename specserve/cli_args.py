@@ -10,6 +10,7 @@ import dataclasses
 
 from specserve.config import SPEC_METHODS, EngineConfig
 from specserve.drafting.factory import all_options, options_by_method
+from specserve.drafting.options import AUTO, Option
 
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 
@@ -24,6 +25,20 @@ def int_at_least(low: int, high: int | None = None):
             bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
+    return parse
+
+
+def option_value(option: Option):
+    """argparse type for a drafting option: its kind, its bounds, "auto" where it takes it."""
+    def parse(text: str):
+        try:
+            value = text if option.auto and text == AUTO else option.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {option.kind.__name__}, got {text!r}") from None
+        try:
+            return option.check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return parse
 
 
@@ -71,7 +86,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     for option in all_options():       # each method's own (drafting/options.py)
         owners = [m for m, options in options_by_method().items() if option in options]
         spec.add_argument(*(f"--{name.replace('_', '-')}" for name in (option.name, *option.aliases)),
-                          dest=option.name, type=int_at_least(option.minimum, option.maximum),
+                          dest=option.name, type=option_value(option),
                           help=f"{option.help}, for requests that do not set it ({', '.join(owners)}; default: "
                                f"generation_config.json, else {option.default})")
     spec.add_argument("--no-ngram-cache", action="store_true", default=None,

@@ -81,7 +81,7 @@ class EngineConfig:
     # speculative decoding
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"
     draft_model: str | Path | None = None
-    num_assistant_tokens: int | None = None   # engine-wide default; requests may override
+    num_assistant_tokens: int | str | None = None   # engine-wide default ("auto" or a number); requests may override
     draft_options: dict[str, int] = field(default_factory=dict)   # engine-wide defaults of the method's options
     ngram_cache: bool = True                  # cross-request n-gram cache (n-gram method)
 

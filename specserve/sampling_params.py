@@ -30,7 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # speculative decoding
-    num_assistant_tokens: int | None = None
+    num_assistant_tokens: int | str | None = None    # "auto": chosen per step (engine/draft_policy.py)
     draft_options: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -52,7 +52,7 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.num_assistant_tokens is not None and self.num_assistant_tokens < 0:
+        if isinstance(self.num_assistant_tokens, int) and self.num_assistant_tokens < 0:
             raise ValueError(f"num_assistant_tokens must be >= 0, got {self.num_assistant_tokens}")
 
     @classmethod
@@ -63,6 +63,10 @@ class SamplingParams:
         return cls(**{k: v for k, v in values.items() if k in own},
                    draft_options={**values.get("draft_options", {}), **{k: v for k, v in values.items()
                                                                        if k not in own and k != "draft_options"}})
+
+    @property
+    def auto_draft(self) -> bool:
+        return self.num_assistant_tokens == "auto"
 
     @property
     def greedy(self) -> bool:

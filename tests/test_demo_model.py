@@ -11,7 +11,7 @@ from specserve.sampling_params import SamplingParams
 DEMO = demo_model_dir()
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "The capital of France is"]
 # every registered method, so that a new one is tested here without being named; EAGLE3 also as a tree
-DRAFTING = [(m, {}) for m in SPEC_METHODS if m != "none"] + [
+DRAFTING = [(m, {"num_assistant_tokens": 5}) for m in SPEC_METHODS if m != "none"] + [
     ("eagle3", {"tree_depth": 3, "branching_factor": 2, "num_assistant_tokens": 6})]
 
 
@@ -30,7 +30,7 @@ def plain_ids() -> list[list[int]]:
     return [o.outputs[0].token_ids for o in LLM(str(DEMO), speculative_method="none").generate(PROMPTS, greedy())]
 
 
-@pytest.mark.parametrize("method, tree", DRAFTING, ids=[m + ("-tree" if t else "") for m, t in DRAFTING])
+@pytest.mark.parametrize("method, tree", DRAFTING, ids=[m + ("-tree" if "tree_depth" in t else "") for m, t in DRAFTING])
 def test_greedy_drafting_equals_plain_for_every_method(method, tree, plain_ids):
     llm = LLM(str(DEMO), speculative_method=method)
     assert llm.engine.spec_method == method

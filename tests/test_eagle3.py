@@ -363,14 +363,20 @@ def test_seeded_sampling_equals_plain_sampling(eagle, plain, tree):
         assert ids(eagle.generate(PROMPTS, params)) == expected
 
 
-@pytest.mark.parametrize("tree", [None, (2, 2)], ids=["chain", "tree"])
-def test_sampled_output_has_the_target_distribution(eagle, tree):
+@pytest.mark.parametrize("tree,k", [(None, 3), ((2, 2), 3), (None, "auto")], ids=["chain", "tree", "auto"])
+def test_sampled_output_has_the_target_distribution(eagle, tree, k, monkeypatch):
     """Unseeded: the second output token's empirical distribution matches the target's exact marginal."""
+    if k == "auto":    # this random head is rarely right: "auto" would rightly draft nothing, unless drafts were free
+        costs = eagle.engine.policy.costs
+        monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
+        monkeypatch.setattr(costs, "per_draft_token", 0.0)
+        for name in ("observe_target", "observe_drafter"):
+            monkeypatch.setattr(type(costs), name, lambda self, *args: None)
     prompt = eagle.tokenizer.encode("The quick brown fox jumps over the")
     n = 3000
     spec = dict(branching_factor=tree[0], tree_depth=tree[1]) if tree else {}
     outs = eagle.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
-                                                       num_assistant_tokens=3, draft_options=spec))
+                                                       num_assistant_tokens=k, draft_options=spec))
     drafted = sum(o.spec["num_draft_tokens"] for o in outs)
     assert 0 < sum(o.spec["num_accepted_tokens"] for o in outs) < drafted
     model = eagle.engine.model

@@ -160,8 +160,10 @@ def test_bfloat16_close_to_float32(qwen3_dir, cpu, monkeypatch):
     l16 = m16.compute_logits(m16(ids, torch.arange(24))[0]).float()
     assert (l32 - l16).abs().max() < 0.1 * l32.abs().max()
     llm = LLM(str(qwen3_dir), dtype="bfloat16", kv_cache_memory_gb=0.01, speculative_method="none")
-    # K/V of a bf16 model on CPU are kept in fp32, where its attention runs
-    assert llm.engine.runner.kv_cache.dtype == (torch.float32 if llm.engine.device.type == "cpu" else torch.bfloat16)
+    # K/V of a bf16 model on CPU: bf16 where the CPU has bf16 products, else fp32, where its attention then runs
+    from specserve.layers.attention import kv_cache_dtype
+    assert llm.engine.runner.kv_cache.dtype == kv_cache_dtype(torch.bfloat16, llm.engine.device)
+    assert kv_cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16
     assert len(llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids) == 8
 
 

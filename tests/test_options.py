@@ -10,8 +10,10 @@ from specserve.server.protocol import CompletionRequest
 def test_each_method_declares_its_own_options():
     assert method_options("none") == ()
     assert [o.name for o in method_options("ngram")] == ["num_assistant_tokens", "prompt_lookup_min", "prompt_lookup_max"]
-    assert [o.name for o in method_options("eagle3")] == ["num_assistant_tokens", "branching_factor", "tree_depth"]
-    assert [o.name for o in method_options("draft")] == [o.name for o in method_options("mtp")] == ["num_assistant_tokens"]
+    assert [o.name for o in method_options("eagle3")] == ["num_assistant_tokens", "branching_factor", "tree_depth",
+                                                           "assistant_confidence_threshold"]
+    assert [o.name for o in method_options("draft")] == [o.name for o in method_options("mtp")] == \
+        ["num_assistant_tokens", "assistant_confidence_threshold"]
     assert len({o.name for o in all_options()}) == len(all_options())
 
 
@@ -23,6 +25,10 @@ def test_canonical_takes_aliases_and_checks_bounds():
         canonical({"tree_depth": -1}, all_options(), " in here")
     with pytest.raises(ValueError, match="num_assistant_tokens must be in \\[0, 32\\], got 33"):
         canonical({"num_assistant_tokens": 33}, all_options())
+    assert canonical({"num_assistant_tokens": "auto", "assistant_confidence_threshold": 1}, all_options()) == \
+        {"num_assistant_tokens": "auto", "assistant_confidence_threshold": 1.0}
+    with pytest.raises(ValueError, match='must be an integer or "auto"'):
+        canonical({"num_assistant_tokens": "many"}, all_options())
     with pytest.raises(ValueError, match="must be an integer"):
         canonical({"branching_factor": True}, all_options())
     with pytest.raises(ValueError, match="unknown drafting option 'depth'"):
@@ -40,7 +46,7 @@ def test_another_methods_option_is_an_error_only_when_it_asks_for_something():
 
 
 def test_resolve_fills_from_the_engine_wide_values():
-    own = method_options("eagle3")[1:]
+    own = method_options("eagle3")[1:3]
     assert resolve_options({"tree_depth": 3}, own, {"branching_factor": 4, "tree_depth": 0}) == \
         {"branching_factor": 4, "tree_depth": 3}
 
@@ -51,6 +57,8 @@ def test_flags_and_request_fields_come_from_the_options():
     add_engine_arguments(parser)
     args = parser.parse_args(["--max-ngram-size", "6", "--tree-depth", "2", "--num-assistant-tokens", "4"])
     assert (args.prompt_lookup_max, args.tree_depth, args.num_assistant_tokens) == (6, 2, 4)
+    args = parser.parse_args(["--num-assistant-tokens", "auto", "--assistant-confidence-threshold", "0.4"])
+    assert (args.num_assistant_tokens, args.assistant_confidence_threshold) == ("auto", 0.4)
     with pytest.raises(SystemExit):
         parser.parse_args(["--branching-factor", "0"])
     body = CompletionRequest.model_validate({"prompt": "a", "max_ngram_size": 3, "tree_depth": 1.0,
@@ -68,10 +76,10 @@ def test_the_engine_resolves_and_checks_a_requests_options():
     from specserve.sampling_params import SamplingParams
     llm = LLM(str(demo_model_dir()), speculative_method="ngram", prompt_lookup_max=6, kv_cache_memory_gb=0.01)
     engine = llm.engine
-    assert engine.draft_defaults == {"num_assistant_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 6}
+    assert engine.draft_defaults == {"num_assistant_tokens": "auto", "prompt_lookup_min": 2, "prompt_lookup_max": 6}
     seq = engine.add_request([5, 6, 7], SamplingParams(draft_options={"prompt_lookup_min": 3}))
     assert seq.params.draft_options == {"prompt_lookup_min": 3, "prompt_lookup_max": 6}
-    assert seq.params.num_assistant_tokens == 5
+    assert seq.params.num_assistant_tokens == "auto" and seq.num_assistant_tokens == 8     # the longest auto draft
     with pytest.raises(RequestError, match="prompt_lookup_max must be >= prompt_lookup_min \\(7\\), got 6"):
         engine.add_request([5, 6], SamplingParams(draft_options={"prompt_lookup_min": 7}))
     with pytest.raises(RequestError, match="tree_depth=1 needs a drafting method that has it"):

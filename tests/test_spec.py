@@ -120,18 +120,20 @@ def test_kv_cache_after_rejection_equals_plain(damped_pair):
     assert torch.allclose(draft.runner.kv_cache[:, dslots], dfresh.kv_cache[:, :m], atol=1e-5)
 
 
-@pytest.mark.parametrize("draft_seed", [3, 11])
-def test_sampled_speculative_output_has_the_target_distribution(damped_pair, tmp_path, draft_seed):
+@pytest.mark.parametrize("draft_seed,k", [(3, 3), (11, 3), (3, "auto")])
+def test_sampled_speculative_output_has_the_target_distribution(damped_pair, tmp_path, draft_seed, k):
     """Token 2 of a sampled request is produced by verification; its marginal must equal the target's.
-    Draft seed 3 is the damped target's own first layers (q close to p), seed 11 an unrelated model."""
+    Draft seed 3 is the damped target's own first layers (q close to p), seed 11 an unrelated model; with
+    "auto" the policy picks each step's draft lengths."""
     draft = damped_pair / "draft"
     if draft_seed != 3:
         draft = make_checkpoint(tmp_path / "other", "qwen3", layers=2, seed=draft_seed, initializer_range=0.2)
-    llm = LLM(str(damped_pair), kv_cache_memory_gb=0.05, draft_model=str(draft), max_num_seqs=256)
+    # "auto" at 256 sequences a step would rightly draft nothing (verify rows cost more than they gain): 16
+    llm = LLM(str(damped_pair), kv_cache_memory_gb=0.05, draft_model=str(draft), max_num_seqs=16 if k == "auto" else 256)
     prompt = llm.tokenizer.encode("The quick brown")
     n = 3000
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i,
-                                                      num_assistant_tokens=3) for i in range(n)])
+                                                      num_assistant_tokens=k) for i in range(n)])
     assert sum(o.spec["num_drafts"] for o in outs) > 0
     accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
     assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in outs)
@@ -173,4 +175,8 @@ def test_generation_config_sets_default_draft_length(damped_pair, tmp_path):
     assert max(out.spec["num_draft_tokens"] / out.spec["num_drafts"], 0) > 2        # the request wins
     llm = LLM(str(damped_pair), kv_cache_memory_gb=0.01, speculative_method="draft")
     out = llm.generate(PROMPTS[0], greedy(20))[0]
-    assert out.spec["accepted_per_position"] and len(out.spec["accepted_per_position"]) == 5   # built-in default
+    assert llm.engine.draft_defaults["num_assistant_tokens"] == "auto"                  # built-in default
+    assert out.spec["draft_lengths"] and all(0 <= k <= 8 for k in out.spec["draft_lengths"])
+    # a fixed number is obeyed exactly: every decode step but the last ones (no room left) drafts it
+    out = llm.generate(PROMPTS[0], greedy(20, num_assistant_tokens=3))[0]
+    assert set(out.spec["draft_lengths"][:-3]) == {3}

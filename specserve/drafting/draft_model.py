@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
@@ -29,6 +30,7 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_path: str | 
 
 class DraftModelProposer(Proposer):
     uses_kv_cache = True
+    options = (CONFIDENCE_THRESHOLD,)
     name = "draft"
 
     def __init__(self, path: str | Path, ctx: DrafterContext):

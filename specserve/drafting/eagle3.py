@@ -15,12 +15,13 @@ Drafts are deterministic (top tokens), so the engine verifies them exactly by sa
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specserve.drafting.options import MAX_NUM_ASSISTANT_TOKENS, Option
+from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, restart_tail
 from specserve.drafting.tree import GrowingTree
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
@@ -60,7 +61,7 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
 
     options = (Option("branching_factor", 2, 1, "children per tree node (tree drafting)"),
-               Option("tree_depth", 0, 0, "draft tree depth; 0 drafts a chain", off=0))
+               Option("tree_depth", 0, 0, "draft tree depth; 0 drafts a chain", off=0), CONFIDENCE_THRESHOLD)
 
     def __init__(self, path: str | Path, ctx: DrafterContext):
         target = ctx.target_config
@@ -98,10 +99,10 @@ class Eagle3Proposer(Proposer):
 
     def check(self, params) -> None:
         settings = self.settings(params)
-        b, depth, k = settings["branching_factor"], settings["tree_depth"], params.num_assistant_tokens
+        b, depth, k = settings["branching_factor"], settings["tree_depth"], self.max_draft_tokens(params)
         if depth <= 0:
             return
-        if b * b * (depth - 1) + b < k:
+        if b * b * (depth - 1) + b < k and not params.auto_draft:     # "auto" chooses within the tree
             raise ValueError(f"a tree with branching_factor={b} and tree_depth={depth} has "
                              f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
         if k <= 0:
@@ -218,6 +219,8 @@ class Eagle3Proposer(Proposer):
         for i, state in zip(owners, states):
             trees[i].root_output = state.root
         parents = [-1] * len(owners)
+        log_thresholds = {i: math.log(t) if (t := self.settings(seqs[i].params)[CONFIDENCE_THRESHOLD.name]) > 0
+                          else -math.inf for i in owners}
         level = 1
         while True:
             logp = torch.log_softmax(self.head.draft_logits(hidden).float(), dim=-1)                # [m, Vd]
@@ -227,6 +230,8 @@ class Eagle3Proposer(Proposer):
             values = top.values.tolist()
             for r, (i, parent) in enumerate(zip(owners, parents)):
                 trees[i].add_children(parent, tokens[r], values[r], level)
+                if trees[i].branching == 1 and values[r][0] < log_thresholds[i]:
+                    trees[i].depth = level       # a chain stops after a token the head is unsure of
             expand = [(i, j) for i, tree in trees.items() if tree.depth > level for j in tree.to_expand(level)]
             if not expand:
                 return

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains, restart_tail
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import load_mtp
@@ -39,6 +40,7 @@ class MTPState:
 
 class MTPProposer(Proposer):
     uses_kv_cache = True
+    options = (CONFIDENCE_THRESHOLD,)
     name = "mtp"
 
     def __init__(self, path: str | Path | None, ctx: DrafterContext):
@@ -54,7 +56,7 @@ class MTPProposer(Proposer):
         self.block_tails = torch.zeros(ctx.num_blocks, N, c.hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, MTPState] = {}
         logger.info("drafting with the %d MTP layer(s) in %s", N, source)
-        if (k := ctx.options["num_assistant_tokens"]) > N:
+        if isinstance(k := ctx.options["num_assistant_tokens"], int) and k > N:
             logger.warning("num_assistant_tokens=%d but %d MTP layer(s): draft steps %d..%d reuse the last layer, "
                            "and acceptance falls past step %d", k, N, N + 1, k, N)
 

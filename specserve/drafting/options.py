@@ -10,29 +10,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+AUTO = "auto"
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str
-    default: int
-    minimum: int
+    default: int | float | str
+    minimum: int | float
     help: str
-    maximum: int | None = None
+    maximum: int | float | None = None
     aliases: tuple[str, ...] = ()     # other spellings accepted for it (transformers' names)
     off: int | None = None            # the value that asks nothing of the method: others accept only this
+    kind: type = int                  # int, or float (an int is taken for a float)
+    auto: bool = False                # "auto" is a value too (the engine chooses)
 
-    def check(self, value: object, where: str = "") -> int:
-        """The value as an int, or ValueError naming the option (and where it was set)."""
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{self.name} must be an integer, got {value!r}{where}")
+    def check(self, value: object, where: str = "") -> int | float | str:
+        """The value (an int, a float, or "auto"), or ValueError naming the option (and where it was set)."""
+        if self.auto and value == AUTO:
+            return value
+        number = (int, float) if self.kind is float else int
+        if isinstance(value, bool) or not isinstance(value, number) or value != value:
+            kind = ("a number" if self.kind is float else "an integer") + (' or "auto"' if self.auto else "")
+            raise ValueError(f"{self.name} must be {kind}, got {value!r}{where}")
         if value < self.minimum or (self.maximum is not None and value > self.maximum):
             bound = f"in [{self.minimum}, {self.maximum}]" if self.maximum is not None else f">= {self.minimum}"
             raise ValueError(f"{self.name} must be {bound}, got {value}{where}")
-        return value
+        return self.kind(value)
 
 
 MAX_NUM_ASSISTANT_TOKENS = 32
-NUM_ASSISTANT_TOKENS = Option("num_assistant_tokens", 5, 0, "draft tokens per step (0: no drafting)",
-                              maximum=MAX_NUM_ASSISTANT_TOKENS)
+AUTO_MAX_DRAFT_TOKENS = 8       # the longest draft "auto" chooses (engine/draft_policy.py)
+NUM_ASSISTANT_TOKENS = Option("num_assistant_tokens", AUTO, 0, "draft tokens per step (0: no drafting; auto: "
+                              "chosen per step for the batch's throughput)", maximum=MAX_NUM_ASSISTANT_TOKENS, auto=True)
+# for drafters that draw from a distribution (draft model, MTP, an EAGLE3 chain): transformers' and OpenVINO's name
+CONFIDENCE_THRESHOLD = Option("assistant_confidence_threshold", 0.0, 0.0, "stop a draft after a token the drafter "
+                              "gives less than this probability (0: never)", maximum=1.0, kind=float)
 
 
 def spellings(options: tuple[Option, ...]) -> dict[str, Option]:

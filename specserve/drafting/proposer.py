@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specserve.drafting.options import Option
+from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, CONFIDENCE_THRESHOLD, Option
 from specserve.drafting.tree import Tree
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.models.config import ModelConfig
@@ -111,9 +111,12 @@ def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: 
                  step_logits: Callable[[int, list[int], list[list[int]]], torch.Tensor]) -> Draft:
     """The loop of every drafter that drafts chains token by token: at step j, step_logits(j, active, drafts)
     gives the logits [len(active), V] of the next token of the sequences at `active` (drafts[i]: i's tokens so
-    far); a sequence leaves once it has num_draft_tokens[i]. q is kept when some request samples."""
+    far); a sequence leaves once it has num_draft_tokens[i] tokens, or after a token the drafter gave less than
+    its request's assistant_confidence_threshold (as transformers stops its assistant). q is kept when some
+    request samples."""
     B, K = len(seqs), max(num_draft_tokens)
     probs = torch.zeros(B, K, vocab_size, device=device) if any(not s.params.greedy for s in seqs) else None
+    thresholds = [s.params.draft_options.get(CONFIDENCE_THRESHOLD.name, 0.0) for s in seqs]
     drafts: list[list[int]] = [[] for _ in seqs]
     active = list(range(B))
     for step in range(K):
@@ -124,10 +127,25 @@ def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: 
             drafts[i].append(token)
         if probs is not None:
             probs[torch.tensor(active), step] = q
-        active = [i for i in active if len(drafts[i]) < num_draft_tokens[i]]
+        unsure = set()
+        if any(thresholds[i] > 0 for i in active):
+            confidence = own_token_probability(logits, tokens, q, [seqs[i].params.greedy for i in active])
+            unsure = {i for i, c in zip(active, confidence) if c < thresholds[i]}
+        active = [i for i in active if len(drafts[i]) < num_draft_tokens[i] and i not in unsure]
         if not active:
             break
     return Draft(token_ids=drafts, probs=probs)
+
+
+def own_token_probability(logits: torch.Tensor, tokens: list[int], q: torch.Tensor | None, greedy: list[bool]
+                          ) -> list[float]:
+    """The drafter's probability of each token it drew: from q where the row sampled, else the softmax of its
+    logits (a greedy row's q is one-hot)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    if q is not None and not all(greedy):
+        sampled = torch.tensor([not g for g in greedy], device=probs.device)
+        probs = torch.where(sampled[:, None], q.to(probs.dtype), probs)
+    return probs.gather(1, torch.tensor(tokens, device=probs.device)[:, None]).view(-1).tolist()
 
 
 def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> torch.Tensor | None:
@@ -180,8 +198,9 @@ class Proposer(ABC):
         return {o.name: params.draft_options.get(o.name, o.default) for o in self.options}
 
     def max_draft_tokens(self, params: SamplingParams) -> int:
-        """How many tokens a request drafts per step at most (its resolved num_assistant_tokens)."""
-        return params.num_assistant_tokens or 0
+        """How many tokens a request drafts per step at most (its resolved num_assistant_tokens; the longest
+        draft the engine's policy may choose for "auto")."""
+        return AUTO_MAX_DRAFT_TOKENS if params.auto_draft else params.num_assistant_tokens or 0
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:

@@ -10,15 +10,17 @@ import torch
 
 from specserve.config import EngineConfig, GenerationConfig
 from specserve.drafting.factory import all_options, options_by_method, proposer_class, resolve_method
-from specserve.drafting.options import NUM_ASSISTANT_TOKENS, canonical, reject_foreign, resolve_options, spellings
+from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, NUM_ASSISTANT_TOKENS, canonical, reject_foreign, resolve_options, spellings
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
+from specserve.engine.draft_policy import Candidate, DraftPolicy
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
 from specserve.models.config import ModelConfig
-from specserve.models.registry import load_model, parse_dtype
+from specserve.models.registry import load_model
+from specserve.runtime.device import resolve_device, resolve_dtype, set_cpu_threads  # noqa: F401 (re-exported)
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.runtime.sequence import SeqSnapshot, Sequence, SpecStats
 from specserve.sampling_params import SamplingParams
@@ -40,41 +42,6 @@ class StepOutput:
     finished: bool
     seq: SeqSnapshot                      # the request's state after this step
     error: str | None = None              # set when the request's step failed: it finished without its tokens
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """auto: the checkpoint's dtype on CUDA; on CPU bf16 for a bf16 checkpoint where oneDNN has bf16 kernels
-    (packed bf16 products are batch-invariant and about twice as fast as fp32 ones here), else fp32."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return parse_dtype(config.torch_dtype or "bfloat16")
-        if config.torch_dtype == "bfloat16" and torch.backends.mkldnn.is_available() \
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    return parse_dtype(dtype)
-
-
-CACHE_RESIDENT_BYTES = 32 << 20
-
-
-def set_cpu_threads(num_threads: int | None, model: torch.nn.Module) -> None:
-    """A model whose weights fit in the last-level cache is bound by per-op overhead, which a second
-    thread does not shorten; it runs on one thread, which also keeps it fast when other processes
-    load the cores (a busy-waiting thread pool can then be 20x slower). Larger models use them all."""
-    if num_threads is None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if weight_bytes >= CACHE_RESIDENT_BYTES:
-            return
-        num_threads = 1
-    torch.set_num_threads(num_threads)
-    logger.info("CPU threads: %d", num_threads)
 
 
 class LLMEngine:
@@ -111,6 +78,10 @@ class LLMEngine:
         if self.proposer.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.policy = DraftPolicy(AUTO_MAX_DRAFT_TOKENS)
+        if self.spec_method != "none":
+            self.time_forward(1)                                   # warm-up: first calls pack and allocate
+            self.policy.calibrate(self.time_forward)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
         # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
@@ -190,6 +161,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.proposer.on_finished(seq)
+        self.policy.forget(seq.seq_id)
         self.requests.pop(seq.request_id, None)
         self.detokenizers.pop(seq.seq_id, None)
         self.stats.merge(seq.spec)
@@ -228,15 +200,43 @@ class LLMEngine:
         return outputs
 
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
+        self.choose_draft_lengths(scheduled)
+        start = time.perf_counter()
         draft = self.propose(scheduled)
+        drafted = time.perf_counter()
         items = self.prepare(scheduled, draft)
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
         verified = self.verify(scheduled, draft, hidden)
+        if self.policy.calibrated:
+            self.policy.costs.observe_target(sum(len(it.token_ids) for it in items), time.perf_counter() - drafted)
+        self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start)
         outputs = self.postprocess(scheduled, draft, verified.tokens)
         self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         for s in scheduled:
             self._register(s.seq)
         return outputs
+
+    def choose_draft_lengths(self, scheduled: list[ScheduledSeq]) -> None:
+        """The "auto" sequences' num_draft_tokens (the scheduler reserved their longest): the policy's choice
+        for the whole step (engine/draft_policy.py)."""
+        auto = [s for s in scheduled if s.num_draft_tokens > 0 and s.seq.params.auto_draft]
+        if not auto:
+            return
+        fixed_rows = sum(s.num_new + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in scheduled)
+        num_sampling = sum(s.completes_prompt for s in scheduled)
+        lengths = self.policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens) for s in auto], fixed_rows,
+                                     num_sampling)
+        for s, k in zip(auto, lengths):
+            s.num_draft_tokens = k
+
+    def time_forward(self, rows: int) -> float:
+        """Seconds of one target forward and its logits at `rows` rows, decode-shaped (one token per sequence, as
+        a verify step's rows are attended): the policy's calibration, run before any request holds a block."""
+        items = [ForwardItem([0], 0, [0]) for _ in range(rows)]
+        start = time.perf_counter()
+        hidden, _ = self.runner.forward(items)
+        self.model.compute_logits(hidden)
+        return time.perf_counter() - start
 
     def propose(self, scheduled: list[ScheduledSeq]) -> Draft:
         """The step's draft: one row per scheduled sequence, empty where it drafts nothing."""
@@ -277,6 +277,9 @@ class LLMEngine:
                 continue
             seq.spec.num_target_forwards += 1
             seq.spec.record(len(draft.token_ids[i]), len(new) - 1)
+            if s.num_new == 1:                 # a decode step: what was chosen, and how it went
+                seq.spec.draft_lengths.append(s.num_draft_tokens)
+                self.policy.observe(seq.seq_id, len(draft.token_ids[i]), len(new) - 1)
             seq.num_computed_tokens += s.num_new + len(new) - 1
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -21,6 +21,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_target_forwards: int = 0              # decode forwards of the target for this request
+    draft_lengths: list[int] = field(default_factory=list)   # per decode step, the draft length chosen (a
+    #                                           request's own; summed stats keep none)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted > 0:
@@ -55,6 +57,7 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "num_target_forwards": self.num_target_forwards,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_lengths": list(self.draft_lengths),
         }
 
 
@@ -134,7 +137,7 @@ class Sequence:
     def snapshot(self) -> SeqSnapshot:
         s = self.spec
         spec = SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position),
-                         s.num_target_forwards)
+                         s.num_target_forwards, list(s.draft_lengths))
         return SeqSnapshot(self.seq_id, self.request_id, self.prompt_token_ids, self.num_output_tokens,
                            self.output_text, self.finish_reason, self.stop_reason, spec, self.arrival_time,
                            self.first_token_time)

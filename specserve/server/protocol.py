@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Annotated, Any, Callable
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator, \
-    model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model, \
+    field_validator, model_validator
 
 from specserve.config import GenerationConfig
 from specserve.drafting.factory import all_options
@@ -104,8 +104,15 @@ class SamplingDefaults:
 
 
 def option_field(option: Option) -> tuple[Any, None]:
-    bounds = Field(ge=option.minimum, le=option.maximum, description=option.help)
-    return Annotated[int, bounds, BeforeValidator(integral)] | None, None
+    """A request field checked by the option itself (its kind, bounds and "auto"), so that its error names it."""
+    def check(value: Any) -> Any:
+        return None if value is None else option.check(integral(value) if option.kind is int else value)
+
+    number = {"type": "number" if option.kind is float else "integer", "minimum": option.minimum}
+    if option.maximum is not None:
+        number["maximum"] = option.maximum
+    schema = {"anyOf": [number, {"const": "auto"}] if option.auto else [number], "description": option.help}
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)], None
 
 
 # the drafting methods' request fields (drafting/options.py), each spelling its own field; the method validates

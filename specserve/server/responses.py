@@ -21,6 +21,7 @@ class Usage(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list)
     num_target_forwards: int = 0
     mean_acceptance_length: float = 1.0
+    draft_lengths: list[int] = Field(default_factory=list)    # per decode step, the draft length chosen
 
     @classmethod
     def from_seq(cls, seq: SeqSnapshot) -> Usage:

@@ -1,0 +1,121 @@
+"""num_assistant_tokens "auto": the policy's choices on synthetic costs, and exactness whatever it chooses."""
+import numpy as np
+import pytest
+
+from specserve.config import demo_model_dir
+from specserve.engine.draft_policy import PROBE_EVERY, Candidate, DraftPolicy, StepCosts
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+DEMO = demo_model_dir()
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "The capital of France is"]
+
+
+def policy_with(rows_to_seconds, acceptance: dict[int, float]) -> DraftPolicy:
+    """A policy whose target costs rows_to_seconds(R) and whose sequences have learned `acceptance`."""
+    policy = DraftPolicy(8)
+    policy.calibrate(rows_to_seconds)
+    for seq_id, rate in acceptance.items():
+        rng = np.random.default_rng(seq_id)
+        for _ in range(200):      # drafts of 8 whose tokens are each accepted with probability `rate`
+            accepted = 0
+            while accepted < 8 and rng.random() < rate:
+                accepted += 1
+            policy.observe(seq_id, 8, accepted)
+    return policy
+
+
+def test_long_drafts_when_verify_is_cheap_and_acceptance_high():
+    policy = policy_with(lambda rows: 0.010 + 0.0001 * rows, {1: 0.9, 2: 0.9})
+    assert policy.choose([Candidate(1, 8), Candidate(2, 8)], fixed_rows=2, num_fixed_tokens=2) == [8, 8]
+    assert policy.choose([Candidate(1, 3)], fixed_rows=1, num_fixed_tokens=1) == [3]      # never past the cap
+
+
+def test_nothing_when_the_batch_is_large_and_acceptance_low():
+    # 32 sequences; every verify row costs as much as a tenth of a step: drafting at 10% acceptance never pays
+    seqs = {i: 0.1 for i in range(32)}
+    policy = policy_with(lambda rows: 0.005 + 0.001 * rows, seqs)
+    assert policy.choose([Candidate(i, 8) for i in seqs], fixed_rows=32, num_fixed_tokens=32) == [0] * 32
+
+
+def test_each_sequence_by_its_own_acceptance():
+    policy = policy_with(lambda rows: 0.010 + 0.0005 * rows, {1: 0.95, 2: 0.05})
+    long, short = policy.choose([Candidate(1, 8), Candidate(2, 8)], fixed_rows=2, num_fixed_tokens=2)
+    assert long >= 4 and short == 0
+
+
+def test_a_sequence_held_at_zero_probes_now_and_then():
+    policy = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0})
+    choices = [policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0] for _ in range(2 * PROBE_EVERY)]
+    assert choices.count(1) == 2 and set(choices) == {0, 1}
+
+
+def test_a_new_sequence_starts_from_the_methods_rate():
+    policy = policy_with(lambda rows: 0.01 + 0.0001 * rows, {1: 0.9})
+    assert policy.acceptance(99)[0] > 0.8          # learned from sequence 1, through the method-wide prior
+    policy.forget(1)
+    assert 1 not in policy.seqs
+
+
+def test_step_costs_follow_measured_times_and_stay_monotone():
+    costs = StepCosts()
+    costs.seconds = np.array([1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 5.0, 9.0])      # at rows 1, 2, 4, ..., 128
+    assert costs.target(12) == pytest.approx(1.5) and costs.target(256) == pytest.approx(17.0)
+    for _ in range(50):
+        costs.observe_target(8, 3.0)
+    assert costs.target(8) == pytest.approx(3.0, rel=0.05)
+    assert (np.diff(costs.seconds) >= 0).all()
+    costs.observe_drafter(4, 0.04)
+    costs.observe_drafter(4, 0.08)
+    assert 0.01 < costs.per_draft_token < 0.02
+
+
+def random_lengths(engine, seed: int):
+    """Replace the engine's policy choice with random lengths within each sequence's cap."""
+    rng = np.random.default_rng(seed)
+    engine.policy.choose = lambda candidates, *_: [int(rng.integers(0, c.max_tokens + 1)) for c in candidates]
+
+
+@pytest.fixture(scope="module")
+def plain_ids():
+    llm = LLM(str(DEMO), speculative_method="none")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
+                                                                                 ignore_eos=True))]
+
+
+@pytest.mark.parametrize("method,options", [("ngram", {}), ("draft", {}), ("eagle3", {}), ("mtp", {}),
+                                            ("eagle3", {"tree_depth": 3, "branching_factor": 2})],
+                         ids=["ngram", "draft", "eagle3", "mtp", "eagle3-tree"])
+def test_greedy_output_does_not_depend_on_the_chosen_lengths(method, options, plain_ids):
+    llm = LLM(str(DEMO), speculative_method=method)
+    params = SamplingParams.from_dict({"temperature": 0, "max_tokens": 32, "ignore_eos": True, **options})
+    assert params.num_assistant_tokens is None                  # resolves to the built-in "auto"
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain_ids
+    random_lengths(llm.engine, seed=0)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain_ids
+    lengths = [k for o in outs for k in o.spec["draft_lengths"]]
+    assert len(set(lengths)) > 3 and sum(o.spec["num_accepted_tokens"] for o in outs) > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "mtp", "eagle3"])
+def test_confidence_threshold_stops_chains_and_keeps_output(method, plain_ids):
+    llm = LLM(str(DEMO), speculative_method=method)
+    base = {"temperature": 0, "max_tokens": 32, "ignore_eos": True, "num_assistant_tokens": 6}
+    free = llm.generate(PROMPTS, SamplingParams.from_dict(base))
+    sure = llm.generate(PROMPTS, SamplingParams.from_dict({**base, "assistant_confidence_threshold": 1.0}))
+    assert [o.outputs[0].token_ids for o in sure] == plain_ids
+    # nothing is drawn with probability 1: every draft stops after its first token
+    assert all(o.spec["num_draft_tokens"] == o.spec["num_drafts"] > 0 for o in sure)
+    assert sum(o.spec["num_draft_tokens"] for o in free) > sum(o.spec["num_draft_tokens"] for o in sure)
+
+
+def test_auto_reports_its_lengths_and_a_fixed_number_is_obeyed():
+    llm = LLM(str(DEMO), speculative_method="draft", num_assistant_tokens=4)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert set(out.spec["draft_lengths"][:-4]) == {4}
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                  num_assistant_tokens="auto"))[0]
+    # one per decode step: every target forward but the prompt's
+    assert len(out.spec["draft_lengths"]) == out.spec["num_target_forwards"] - 1 and max(out.spec["draft_lengths"]) <= 8
