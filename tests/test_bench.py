@@ -134,6 +134,15 @@ def test_printed_block_has_vllm_rows_in_order():
     assert json.dumps(result_dict(m, spec, []))   # serialisable
 
 
+def test_chosen_draft_lengths_from_usage():
+    outs = [finished(0.0, 0.1, [0.05], 2, 5), finished(0.0, 0.1, [0.05], 2, 5)]
+    outs[0].usage, outs[1].usage = {"draft_lengths": [4, 0]}, {"draft_lengths": [2, 2]}
+    m = calculate_metrics(outs, duration=1.0)
+    assert (m.mean_draft_length, m.drafting_fraction) == (2.0, 0.75)
+    assert "Mean chosen draft length:                2.00" in format_result(m, None)
+    assert calculate_metrics(outs[:0] + [finished(0.0, 0.1, [0.05], 2, 5)], duration=1.0).mean_draft_length is None
+
+
 def test_arrival_times():
     assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
     times = arrival_times(50, request_rate=10.0, seed=1)

@@ -48,6 +48,9 @@ def test_bench_serve_prints_the_block_and_the_speculative_section(ngram_server, 
     assert "---------------Speculative Decoding---------------" in text
     assert result["spec_decode_acceptance_length"] >= 1.0
     assert 0 <= result["spec_decode_acceptance_rate"] <= 100
+    # the server's default num_assistant_tokens is "auto": the lengths it chose, from each request's usage
+    assert "Mean chosen draft length:" in text and "Decode steps drafting (%):" in text
+    assert 0 <= result["mean_draft_length"] <= 8 and 0 <= result["drafting_fraction"] <= 1
 
 
 def test_bench_sweep_over_one_server_writes_table_and_plot(ngram_server, tmp_path, capsys):

@@ -259,6 +259,12 @@ def test_metrics_grow_by_reported_statistics(server, client):
     assert grew("vllm:time_per_output_token_seconds_count") == len(usages)
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= {
         name for name, _ in after}
+    # the draft-length gauges: the last request (default "auto") drafted, the chosen lengths are in its usage
+    assert usages[1].draft_lengths[:4] == [2] * 4 and set(usages[0].draft_lengths) == {0}
+    assert all(u.draft_lengths and max(u.draft_lengths) <= 8 for u in usages)
+    mean, fraction = after[("specserve:spec_decode_mean_draft_length", ())], \
+        after[("specserve:spec_decode_drafting_fraction", ())]
+    assert 0 < mean <= 8 and 0 < fraction <= 1
 
 
 def test_non_streaming_reports_tokens_per_second(server):

@@ -46,6 +46,17 @@ class BenchmarkMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     output_lens: list[int]
+    mean_draft_length: float | None = None     # specserve's usage.draft_lengths: chosen per decode step
+    drafting_fraction: float | None = None     # the fraction of decode steps that drafted
+
+
+def chosen_draft_lengths(outputs: list[RequestFuncOutput]) -> tuple[float | None, float | None]:
+    """Mean draft length chosen per decode step, and the fraction of steps drafting, over every request whose
+    usage reports them (specserve's draft_lengths; None from other servers)."""
+    lengths = [k for out in outputs if out.success for k in out.usage.get("draft_lengths") or []]
+    if not lengths:
+        return None, None
+    return sum(lengths) / len(lengths), sum(k > 0 for k in lengths) / len(lengths)
 
 
 def output_len(out: RequestFuncOutput, count_tokens: Callable[[str], int] | None) -> int:
@@ -71,7 +82,7 @@ def calculate_metrics(outputs: list[RequestFuncOutput], duration: float, percent
         ttft=Distribution.of([out.ttft for out in ok], percentiles), tpot=Distribution.of(tpots, percentiles),
         itl=Distribution.of(itls, percentiles), e2el=Distribution.of([out.latency for out in ok], percentiles),
         max_output_tokens_per_s=peak_output_per_second(ok), max_concurrent_requests=peak_concurrency(ok),
-        output_lens=output_lens)
+        output_lens=output_lens, **dict(zip(("mean_draft_length", "drafting_fraction"), chosen_draft_lengths(ok))))
 
 
 def peak_output_per_second(outputs: list[RequestFuncOutput]) -> float:
@@ -144,6 +155,9 @@ def format_result(m: BenchmarkMetrics, spec: SpecDecodeStats | None, max_concurr
               row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s),
               row("Peak concurrent requests:", m.max_concurrent_requests),
               row("Total token throughput (tok/s):", m.total_token_throughput)]
+    if m.mean_draft_length is not None:
+        lines += [row("Mean chosen draft length:", m.mean_draft_length),
+                  row("Decode steps drafting (%):", m.drafting_fraction * 100)]
     for name in percentile_metrics:
         label, header = LATENCY_HEADERS[name]
         dist: Distribution = getattr(m, name)
@@ -175,6 +189,7 @@ def result_dict(m: BenchmarkMetrics, spec: SpecDecodeStats | None, outputs: list
         "request_throughput": m.request_throughput, "output_throughput": m.output_throughput,
         "total_token_throughput": m.total_token_throughput,
         "max_output_tokens_per_s": m.max_output_tokens_per_s, "max_concurrent_requests": m.max_concurrent_requests,
+        "mean_draft_length": m.mean_draft_length, "drafting_fraction": m.drafting_fraction,
         "input_lens": [out.prompt_len for out in outputs], "output_lens": m.output_lens,
         "ttfts": [out.ttft for out in outputs], "itls": [out.itl for out in outputs],
         "latencies": [out.latency for out in outputs], "start_times": [out.start_time for out in outputs],

@@ -39,6 +39,8 @@ class EngineLoad:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    mean_draft_length: float = 0.0        # recent decode steps: draft length chosen per decoding sequence
+    drafting_fraction: float = 0.0        # and the fraction of them drafting
 
 
 @dataclass(slots=True)
@@ -281,8 +283,10 @@ class AsyncEngine:
 
     def _publish_load(self) -> None:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        gauges = self.engine.draft_gauges
         self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting),
-                               1.0 - blocks.num_free_blocks / blocks.num_blocks)
+                               1.0 - blocks.num_free_blocks / blocks.num_blocks, gauges.mean_draft_length,
+                               gauges.drafting_fraction)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self.dead = error

@@ -99,6 +99,19 @@ class StepCosts:
 
 
 @dataclass(slots=True)
+class DraftGauges:
+    """Over recent decode steps (decayed): the mean draft length chosen per decoding sequence, and the
+    fraction of decoding sequences that drafted."""
+    mean_draft_length: float = 0.0
+    drafting_fraction: float = 0.0
+
+    def observe(self, lengths: list[int], rate: float = 0.2) -> None:
+        if lengths:
+            self.mean_draft_length += rate * (sum(lengths) / len(lengths) - self.mean_draft_length)
+            self.drafting_fraction += rate * (sum(k > 0 for k in lengths) / len(lengths) - self.drafting_fraction)
+
+
+@dataclass(slots=True)
 class Candidate:
     """A decoding sequence the policy chooses for: its id, and the most it may draft this step."""
     seq_id: int

@@ -14,7 +14,7 @@ from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, NUM_ASSISTANT_TOKE
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.draft_policy import Candidate, DraftPolicy
+from specserve.engine.draft_policy import Candidate, DraftGauges, DraftPolicy
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
@@ -79,6 +79,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.policy = DraftPolicy(AUTO_MAX_DRAFT_TOKENS)
+        self.draft_gauges = DraftGauges()
         if self.spec_method != "none":
             self.time_forward(1)                                   # warm-up: first calls pack and allocate
             self.policy.calibrate(self.time_forward)
@@ -211,6 +212,7 @@ class LLMEngine:
             self.policy.costs.observe_target(sum(len(it.token_ids) for it in items), time.perf_counter() - drafted)
         self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start)
         outputs = self.postprocess(scheduled, draft, verified.tokens)
+        self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
         self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         for s in scheduled:
             self._register(s.seq)

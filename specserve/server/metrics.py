@@ -53,6 +53,10 @@ class ServerMetrics:
               registry=reg).labels(**model).set_function(lambda: engine.load.num_waiting)
         Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", labels,
               registry=reg).labels(**model).set_function(lambda: engine.load.kv_cache_usage)
+        Gauge("specserve:spec_decode_mean_draft_length", "Draft length chosen per decoding sequence, recent steps "
+              "(decayed).", labels, registry=reg).labels(**model).set_function(lambda: engine.load.mean_draft_length)
+        Gauge("specserve:spec_decode_drafting_fraction", "Fraction of decoding sequences drafting, recent steps "
+              "(decayed).", labels, registry=reg).labels(**model).set_function(lambda: engine.load.drafting_fraction)
         self.model = model
         engine.add_finish_listener(self.record_finished)
 
