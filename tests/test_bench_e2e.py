@@ -66,6 +66,21 @@ def test_bench_sweep_over_one_server_writes_table_and_plot(ngram_server, tmp_pat
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_sweep_over_concurrency_compares_auto_with_fixed_k(ngram_server, tmp_path, capsys):
+    points = run_sweep(parse(["bench", "sweep", "--base-url", ngram_server, "--num-prompts", "2",
+                              "--prompts-per-concurrency", "2", "--concurrency", "1,2",
+                              "--num-assistant-tokens", "0,3,auto", "--label", "ngram",
+                              "--result-dir", str(tmp_path), *PROMPTS]))
+    assert [(p.num_assistant_tokens, p.concurrency) for p in points] == \
+        [(0, 1), (3, 1), ("auto", 1), (0, 2), (3, 2), ("auto", 2)]
+    assert [p.completed for p in points] == [2, 2, 2, 4, 4, 4]
+    auto = [p for p in points if p.num_assistant_tokens == "auto"]
+    assert all(p.mean_draft_length is not None and p.speedup is not None for p in auto)
+    out = capsys.readouterr().out
+    assert "| ngram | 2 |" in out and "auto / max(plain, best k)" in out
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_bench_sweep_launches_each_method(demo_model, tmp_path):
     points = run_sweep(parse(["bench", "sweep", "--model", str(demo_model), "--methods", "none,ngram",
                               "--num-prompts", "2", "--num-assistant-tokens", "0,3",

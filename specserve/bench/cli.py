@@ -40,13 +40,24 @@ def json_object(text: str) -> dict:
     return value
 
 
-def assistant_token_list(text: str) -> list[int]:
+def assistant_token_list(text: str) -> list[int | str]:
+    try:
+        values = [part.strip() if part.strip() == "auto" else int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (or auto) like 0,2,4,auto, "
+                                         f"got {text}") from None
+    if not values or not all(v == "auto" or 0 <= v <= MAX_NUM_ASSISTANT_TOKENS for v in values):
+        raise argparse.ArgumentTypeError(f"must be integers in [0, {MAX_NUM_ASSISTANT_TOKENS}] or auto, got {text}")
+    return values
+
+
+def positive_int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers like 0,2,4, got {text}") from None
-    if not values or not all(0 <= v <= MAX_NUM_ASSISTANT_TOKENS for v in values):
-        raise argparse.ArgumentTypeError(f"must be integers in [0, {MAX_NUM_ASSISTANT_TOKENS}], got {text}")
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1 like 1,2,4,8, got {text}")
     return values
 
 
@@ -189,6 +200,10 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_dataset_args(sweep)
     add_load_args(sweep, num_prompts=20, max_concurrency=1, num_warmups=1)
     add_sweep_args(sweep, default_ks="0,1,2,3,4,6,8")
+    sweep.add_argument("--concurrency", type=positive_int_list, metavar="C1,C2,...",
+                       help="sweep these max concurrencies too (throughput against concurrency, one line per setting)")
+    sweep.add_argument("--prompts-per-concurrency", type=positive_int, metavar="N",
+                       help="at concurrency c, run max(--num-prompts, N * c) prompts")
     sweep.add_argument("--methods", type=method_list,
                        help=f"launch `specserve serve --model DIR` once per method ({','.join(SPEC_METHODS)}); "
                             "without it, sweep the server at --base-url")

@@ -1,4 +1,5 @@
-"""`specserve bench sweep`: the same prompts at each num_assistant_tokens, for each method and plain decoding."""
+"""`specserve bench sweep`: the same prompts at each num_assistant_tokens ("auto" included) and each concurrency,
+for each method and plain decoding."""
 import argparse
 import asyncio
 import csv
@@ -16,14 +17,16 @@ PLAIN = "none"  # the --speculative-method of plain decoding
 @dataclass(slots=True)
 class SweepPoint:
     method: str
-    num_assistant_tokens: int           # 0 = drafting off
+    num_assistant_tokens: int | str     # 0 = drafting off; "auto": chosen per step by the server
     acceptance_length: float | None     # 1 + accepted / drafts; None when nothing was drafted
     tokens_per_step: float              # output tokens per target forward pass
     output_throughput: float            # output tokens/s
     mean_tpot_ms: float
     completed: int
     failed: int
-    speedup: float | None = None        # output tokens/s over plain decoding's
+    concurrency: int | None = None      # --max-concurrency of the run
+    mean_draft_length: float | None = None   # chosen per decode step (the server's usage.draft_lengths)
+    speedup: float | None = None        # output tokens/s over plain decoding's, at the same concurrency
 
 
 def usage_total(result: BenchResult, key: str) -> int:
@@ -51,30 +54,45 @@ def acceptance_length(result: BenchResult) -> float | None:
     return None
 
 
-def point_of(method: str, num_assistant_tokens: int, result: BenchResult) -> SweepPoint:
+def point_of(method: str, num_assistant_tokens: int | str, result: BenchResult, concurrency: int | None = None
+             ) -> SweepPoint:
     m = result.metrics
     return SweepPoint(method, num_assistant_tokens, acceptance_length(result), tokens_per_target_step(result),
-                      m.output_throughput, m.tpot.mean, m.completed, m.failed)
+                      m.output_throughput, m.tpot.mean, m.completed, m.failed, concurrency, m.mean_draft_length)
 
 
-async def measure_server(args: argparse.Namespace, base_url: str, method: str, ks: list[int]) -> list[SweepPoint]:
-    cfg, samples, tokenizer = await prepare(args, base_url)
+def concurrencies_of(args: argparse.Namespace) -> list[int | None]:
+    return getattr(args, "concurrency", None) or [args.max_concurrency]
+
+
+def num_prompts_at(args: argparse.Namespace, concurrency: int | None) -> int:
+    """--num-prompts, or more at high concurrency: --prompts-per-concurrency per request slot."""
+    per_slot = getattr(args, "prompts_per_concurrency", None)
+    return max(args.num_prompts, per_slot * concurrency) if per_slot and concurrency else args.num_prompts
+
+
+async def measure_server(args: argparse.Namespace, base_url: str, method: str, ks: list[int | str]) -> list[SweepPoint]:
+    concurrencies = concurrencies_of(args)
+    most = argparse.Namespace(**{**vars(args), "num_prompts": max(num_prompts_at(args, c) for c in concurrencies)})
+    cfg, samples, tokenizer = await prepare(most, base_url)
     points = []
-    for k in ks:
-        run_cfg = replace(cfg, extra_body={**(cfg.extra_body or {}), "num_assistant_tokens": k})
-        result = await benchmark(run_cfg, samples, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
-        print_failures(result.outputs)
-        points.append(point := point_of(method, k, result))
-        print(f"{method} num_assistant_tokens={k}: {point.output_throughput:.2f} tok/s, "
-              f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms")
+    for c in concurrencies:
+        for k in ks:
+            run_cfg = replace(cfg, max_concurrency=c, extra_body={**(cfg.extra_body or {}), "num_assistant_tokens": k})
+            result = await benchmark(run_cfg, samples[:num_prompts_at(args, c)],
+                                     lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+            print_failures(result.outputs)
+            points.append(point := point_of(method, k, result, c))
+            print(f"{method} num_assistant_tokens={k} concurrency={c}: {point.output_throughput:.2f} tok/s, "
+                  f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
     return points
 
 
-def ks_for_method(method: str, ks: list[int], methods: list[str]) -> list[int]:
+def ks_for_method(method: str, ks: list[int | str], methods: list[str]) -> list[int | str]:
     """The plain server measures k=0 only; without one, the first method's server measures k=0 as the baseline."""
     if method == PLAIN:
         return [0]
-    drafting = [k for k in ks if k > 0]
+    drafting = [k for k in ks if k != 0]
     return [0, *drafting] if PLAIN not in methods and method == methods[0] else drafting
 
 
@@ -99,22 +117,40 @@ def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[i
 
 
 def add_speedups(points: list[SweepPoint]) -> None:
-    baseline = next((p for p in points if p.num_assistant_tokens == 0), None)
-    if baseline is None or baseline.output_throughput == 0:
-        return
     for p in points:
-        p.speedup = p.output_throughput / baseline.output_throughput
+        baseline = next((b for b in points if b.num_assistant_tokens == 0 and b.concurrency == p.concurrency), None)
+        if baseline is not None and baseline.output_throughput > 0:
+            p.speedup = p.output_throughput / baseline.output_throughput
+
+
+def auto_against_fixed(points: list[SweepPoint]) -> str:
+    """Per method and concurrency: "auto" against the best of plain decoding and every fixed k measured (the
+    goal: auto >= 0.97x that everywhere), as a markdown table."""
+    lines = ["| method | concurrency | plain tok/s | best fixed k (tok/s) | auto tok/s | auto mean k | "
+             "auto / max(plain, best k) |", "|---|---|---|---|---|---|---|"]
+    for auto in (p for p in points if p.num_assistant_tokens == "auto"):
+        same = [p for p in points if p.concurrency == auto.concurrency]
+        plain = next((p for p in same if p.num_assistant_tokens == 0), None)
+        fixed = [p for p in same if p.method == auto.method and isinstance(p.num_assistant_tokens, int)
+                 and p.num_assistant_tokens > 0]
+        best = max(fixed, key=lambda p: p.output_throughput, default=None)
+        reference = max([q.output_throughput for q in (plain, best) if q is not None], default=0.0)
+        ratio = f"{auto.output_throughput / reference:.2f}x" if reference else "-"
+        lines.append(f"| {auto.method} | {auto.concurrency} | {plain.output_throughput if plain else float('nan'):.1f} "
+                     f"| {best.num_assistant_tokens if best else '-'} ({best.output_throughput if best else 0:.1f}) "
+                     f"| {auto.output_throughput:.1f} | {auto.mean_draft_length or 0:.2f} | {ratio} |")
+    return "\n".join(lines)
 
 
 def format_table(points: list[SweepPoint]) -> str:
-    header = (f"{'method':<10} {'k':>3} {'accept len':>10} {'tok/step':>9} {'out tok/s':>10} {'TPOT ms':>9} "
-              f"{'speedup':>8}")
+    header = (f"{'method':<10} {'k':>4} {'conc':>4} {'accept len':>10} {'tok/step':>9} {'out tok/s':>10} "
+              f"{'TPOT ms':>9} {'speedup':>8}")
     lines = [header, "-" * len(header)]
     for p in points:
         accept = f"{p.acceptance_length:.2f}" if p.acceptance_length is not None else "-"
         speedup = f"{p.speedup:.2f}x" if p.speedup is not None else "-"
-        lines.append(f"{p.method:<10} {p.num_assistant_tokens:>3} {accept:>10} {p.tokens_per_step:>9.2f} "
-                     f"{p.output_throughput:>10.2f} {p.mean_tpot_ms:>9.2f} {speedup:>8}")
+        lines.append(f"{p.method:<10} {p.num_assistant_tokens!s:>4} {p.concurrency or '-'!s:>4} {accept:>10} "
+                     f"{p.tokens_per_step:>9.2f} {p.output_throughput:>10.2f} {p.mean_tpot_ms:>9.2f} {speedup:>8}")
     return "\n".join(lines)
 
 
@@ -131,6 +167,9 @@ def write_results(points: list[SweepPoint], result_dir: Path, name: str = "sweep
 
 
 def plot(points: list[SweepPoint], path: Path) -> None:
+    if len({p.concurrency for p in points}) > 1:
+        return plot_concurrency(points, path)
+    points = [p for p in points if isinstance(p.num_assistant_tokens, int)]    # over k: "auto" has no place
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
     from matplotlib.ticker import MaxNLocator
     fig = Figure(figsize=(11, 4), layout="constrained")
@@ -156,10 +195,31 @@ def plot(points: list[SweepPoint], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_concurrency(points: list[SweepPoint], path: Path) -> None:
+    """Output tokens/s against concurrency, one line per setting (plain, each method's fixed k, "auto")."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    settings = dict.fromkeys((p.method, p.num_assistant_tokens) for p in points)
+    for method, k in settings:
+        line = sorted((p for p in points if (p.method, p.num_assistant_tokens) == (method, k)),
+                      key=lambda p: p.concurrency)
+        label = "plain" if k == 0 else f"{method} k={k}"
+        style = dict(linewidth=2.5) if k == "auto" else dict(linestyle="--" if k == 0 else ":")
+        ax.plot([p.concurrency for p in line], [p.output_throughput for p in line], marker="o", label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput against concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.savefig(path, dpi=100)
+
+
 def run_sweep(args: argparse.Namespace) -> list[SweepPoint]:
     points = sweep_points(args, args.methods, args.num_assistant_tokens)
     add_speedups(points)
     print(format_table(points))
+    if any(p.num_assistant_tokens == "auto" for p in points):
+        print(auto_against_fixed(points))
     for path in write_results(points, Path(args.result_dir)):
         print(f"Wrote {path}")
     return points

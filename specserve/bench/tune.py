@@ -10,6 +10,7 @@ from specserve.bench.sweep import SweepPoint, add_speedups, format_table, sweep_
 def pick_num_assistant_tokens(points: list[SweepPoint], tolerance: float) -> int:
     """The smallest k whose tokens/s is within `tolerance` (a fraction) of the best: past it, drafting more
     buys nothing measurable."""
+    points = [p for p in points if isinstance(p.num_assistant_tokens, int)]      # a number to write down
     best = max(p.output_throughput for p in points)
     return min(p.num_assistant_tokens for p in points if p.output_throughput >= (1 - tolerance) * best)
 
