@@ -35,7 +35,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise SystemExit("error: --temperature must be >= 0")
     if not 0 < args.top_p <= 1:
         raise SystemExit("error: --top-p must be in (0, 1]")
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    from specserve.distributed.worker import run_torchrun_worker
+    config = engine_config_from_args(args)
+    if run_torchrun_worker(config):         # under torchrun, ranks above 0 serve rank 0's calls
+        return 0
+    llm = LLM(**dataclasses.asdict(config))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     start = time.perf_counter()

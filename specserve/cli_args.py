@@ -75,6 +75,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         help="memory for all KV caches, target and drafter" + default("kv_cache_memory_gb"))
     engine.add_argument("--block-size", type=int_at_least(1), help="tokens per KV block" + default("block_size"))
     engine.add_argument("--no-prefix-caching", action="store_true", default=None, help="turn prefix caching off")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1),
+                        help="shard the target over this many processes, one per device (gloo on CPU, NCCL on "
+                             "CUDA); under torchrun, the number it started" + default("tensor_parallel_size"))
     engine.add_argument("--seed", type=int, help="seed for requests without one" + default("seed"))
     engine.add_argument("--num-threads", type=int_at_least(1),
                         help="CPU threads (default: 1 for models whose weights fit in cache, else all cores)")

@@ -84,6 +84,7 @@ class EngineConfig:
     num_assistant_tokens: int | str | None = None   # engine-wide default ("auto" or a number); requests may override
     draft_options: dict[str, int] = field(default_factory=dict)   # engine-wide defaults of the method's options
     ngram_cache: bool = True                  # cross-request n-gram cache (n-gram method)
+    tensor_parallel_size: int = 1             # ranks the target is sharded over (specserve/distributed/)
 
     def __post_init__(self):
         if self.model is None:
@@ -98,6 +99,8 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_assistant_tokens is not None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specserve.config import GenerationConfig
+from specserve.distributed.group import WorkerLostError
 from specserve.engine.llm_engine import LLMEngine, StepOutput
 from specserve.runtime.sequence import SeqSnapshot
 from specserve.sampling_params import SamplingParams
@@ -27,6 +28,10 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped: shut down, or failed outside the isolation of a step."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """The engine lost a process it runs on (a tensor-parallel worker): HTTP 503, and the server exits."""
 
 
 class RequestFailedError(RuntimeError):
@@ -228,7 +233,8 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the server is shutting down"))
         except BaseException as e:          # a step's own failure is isolated in LLMEngine.step; this is not
             logger.exception("the engine thread failed; the engine is stopped")
-            self._fail_all(EngineDeadError(f"the engine stopped after an internal error: {e!r}"))
+            self._fail_all(EngineUnavailableError(str(e)) if isinstance(e, WorkerLostError) else
+                           EngineDeadError(f"the engine stopped after an internal error: {e!r}"))
             if self.on_crash is not None:
                 self.on_crash()
 

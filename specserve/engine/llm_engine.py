@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig, GenerationConfig
+from specserve.distributed.runner import ParallelRunner, ParallelTarget
 from specserve.drafting.factory import all_options, options_by_method, proposer_class, resolve_method
 from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, NUM_ASSISTANT_TOKENS, canonical, reject_foreign, resolve_options, spellings
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
@@ -51,7 +52,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.model = load_model(config.model, self.dtype, self.device, self.model_config)
+        tp = config.tensor_parallel_size > 1          # the target sharded over ranks; the rest runs here, on rank 0
+        self.model = ParallelTarget(config, self.model_config, self.device) if tp else \
+            load_model(config.model, self.dtype, self.device, self.model_config)
         if self.device.type == "cpu":
             set_cpu_threads(config.num_threads, self.model)
         self.model.pack(self.device, self.dtype, config.quantization)
@@ -71,7 +74,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than 2 blocks")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+        self.runner = (ParallelRunner if tp else ModelRunner)(self.model, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                   num_blocks, config.block_size, self.dtype, self.device, row_by_row=True)
         self.drafter_context = replace(ctx, num_blocks=num_blocks)
         self.proposer: Proposer = proposer_cls.create(drafter_path, self.drafter_context)

@@ -39,7 +39,8 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               config: ModelConfig | None = None) -> nn.Module:
+               config: ModelConfig | None = None, weights=None) -> nn.Module:
+    """`weights`: (name, tensor) pairs to load instead of the whole checkpoint (a tensor-parallel shard's)."""
     config = config or ModelConfig.from_pretrained(model_dir)
     cls = model_class(config)
     with torch.device("meta"):
@@ -58,7 +59,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
             return None
         return name
 
-    unused = load_weights(model, iter_checkpoint(model_dir), llama.PACKED, prefix_map=keep)
+    unused = load_weights(model, weights if weights is not None else iter_checkpoint(model_dir), llama.PACKED, prefix_map=keep)
     if unused:
         logger.info("ignored %d checkpoint tensors (e.g. %s)", len(unused), unused[0])
     model = model.to(dtype).eval().requires_grad_(False)

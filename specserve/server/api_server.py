@@ -22,7 +22,10 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from specserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
+from specserve.distributed.runner import ParallelTarget
+from specserve.distributed.worker import run_torchrun_worker
+from specserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineUnavailableError,
+                                          RequestFailedError)
 from specserve.engine.llm_engine import RequestError
 from specserve.runtime.sequence import SeqSnapshot
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
@@ -208,6 +211,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
                                      media_type="text/event-stream", background=BackgroundTask(stream.close))
         try:
             seq = (await unless_disconnected(request, last_output(stream))).seq
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e)) from e
         except (EngineDeadError, RequestFailedError) as e:
             raise APIError(500, str(e)) from e
         elapsed = time.perf_counter() - seq.arrival_time
@@ -266,6 +271,8 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         config = engine_config_from_args(args)
         check_dtype_supported(config.dtype, config.device)
+        if run_torchrun_worker(config):     # torchrun's ranks above 0 serve rank 0's calls; HTTP runs on rank 0 only
+            return
         engine = LLMEngine(config)
         engine.resolve(SamplingParams())    # the server-wide speculative defaults must be servable
     except (ValueError, OSError) as e:
@@ -286,6 +293,13 @@ def run_server(args: argparse.Namespace) -> None:
         server.should_exit = True          # uvicorn's main loop polls it: in-flight requests get their errors first
 
     async_engine.on_crash = on_crash
+
+    def on_worker_lost(message: str) -> None:    # seen by the monitor while idle: a 503 until the server has exited
+        async_engine.dead = EngineUnavailableError(message)
+        on_crash()
+
+    if isinstance(engine.model, ParallelTarget):
+        engine.model.group.on_lost.append(on_worker_lost)
     try:
         server.run()
     except KeyboardInterrupt:               # uvicorn re-raises Ctrl-C once it has shut down, as uvicorn.run does
