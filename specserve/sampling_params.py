@@ -29,6 +29,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None       # the target's logprob of each output token, and this many top ones; None: off
     # speculative decoding
     num_assistant_tokens: int | str | None = None    # "auto": chosen per step (engine/draft_policy.py)
     draft_options: dict[str, int] = field(default_factory=dict)
@@ -50,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.num_assistant_tokens, int) and self.num_assistant_tokens < 0:

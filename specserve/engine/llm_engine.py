@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, NUM_ASSISTANT_TOKE
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
+from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.draft_policy import Candidate, DraftGauges, DraftPolicy
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.stop_checker import append_tokens
@@ -43,6 +44,7 @@ class StepOutput:
     finished: bool
     seq: SeqSnapshot                      # the request's state after this step
     error: str | None = None              # set when the request's step failed: it finished without its tokens
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)    # of new_token_ids, when the request asks
 
 
 class LLMEngine:
@@ -214,7 +216,7 @@ class LLMEngine:
         if self.policy.calibrated:
             self.policy.costs.observe_target(sum(len(it.token_ids) for it in items), time.perf_counter() - drafted)
         self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start)
-        outputs = self.postprocess(scheduled, draft, verified.tokens)
+        outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
         self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         for s in scheduled:
@@ -272,7 +274,8 @@ class LLMEngine:
                 self.runner.move_kv(s.seq.block_table, *moves)
         return verified
 
-    def postprocess(self, scheduled: list[ScheduledSeq], draft: Draft, tokens: list[list[int] | None]) -> list[StepOutput]:
+    def postprocess(self, scheduled: list[ScheduledSeq], draft: Draft, verified: Verified) -> list[StepOutput]:
+        tokens = verified.tokens
         outputs = []
         now = time.perf_counter()
         for i, s in enumerate(scheduled):
@@ -290,10 +293,13 @@ class LLMEngine:
                 seq.first_token_time = now
             appended, text = append_tokens(seq, new, self.detokenizers[seq.seq_id], self.tokenizer.eos_token_ids,
                                            self.max_model_len)
+            logprobs = verified.logprobs.get(i, [])[:len(appended)]     # of the tokens kept (a stop cuts the rest)
+            seq.logprobs.extend(logprobs)
             self.block_manager.truncate(seq, seq.num_computed_tokens)
             if seq.finish_reason is not None:
                 self._finish(seq)
-            outputs.append(StepOutput(seq.request_id, appended, text, seq.finish_reason is not None, seq.snapshot()))
+            outputs.append(StepOutput(seq.request_id, appended, text, seq.finish_reason is not None, seq.snapshot(),
+                                      new_logprobs=logprobs))
         return outputs
 
     def _register(self, seq: Sequence) -> None:

@@ -6,10 +6,11 @@ draw the target at them (`draw_target`), accept each draft by its kind (`accept_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from specserve.engine.logprobs import TokenLogprob, token_logprobs
 from specserve.engine.scheduler import ScheduledSeq
 from specserve.runtime.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
@@ -25,6 +26,7 @@ class Verified:
     tokens: list[list[int] | None]     # the tokens each sequence commits; None mid-prompt
     rows: list[list[int]]              # the rows of hidden whose tokens were committed, in token order
     paths: dict[int, list[int]]        # the accepted node path of each tree draft
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # requests that ask: per token
 
 
 @dataclass(slots=True)
@@ -62,7 +64,23 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
             if tree is not None:
                 i = where.seqs[b]
                 tokens[i], paths[i] = accept_tree_draft(y[b], tree, draft.token_ids[i])
+        logprobs = committed_logprobs(logits.view(len(seqs), K + 1, -1), where.seqs, seqs, tokens, paths)
+        return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths, logprobs)
     return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths)
+
+
+def committed_logprobs(logits: torch.Tensor, indices: list[int], seqs: list[Sequence], tokens: list[list[int] | None],
+                       paths: dict[int, list[int]]) -> dict[int, list[TokenLogprob]]:
+    """logits [B, K+1, V] of the sampling rows -> the logprobs of each committed token, for the requests that ask.
+    Token j of a chain came from row j; of a tree, from the row of the path node before it (row 0: the root)."""
+    out = {}
+    for b, (i, seq) in enumerate(zip(indices, seqs)):
+        if seq.params.logprobs is None:
+            continue
+        path = paths.get(i)
+        rows = list(range(len(tokens[i]))) if path is None else [0] + [node + 1 for node in path[:len(tokens[i]) - 1]]
+        out[i] = token_logprobs(logits[b, rows], tokens[i], seq.params.logprobs)
+    return out
 
 
 def gather_rows(scheduled: list[ScheduledSeq], draft: Draft) -> SampleRows:

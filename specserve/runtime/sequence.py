@@ -75,6 +75,7 @@ class SeqSnapshot:
     spec: SpecStats
     arrival_time: float
     first_token_time: float | None
+    logprobs: tuple = ()                     # TokenLogprob of each output token, when the request asks
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,6 +115,7 @@ class Sequence:
         self.seed = params.seed                # the engine draws one for unseeded requests
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
+        self.logprobs: list = []              # TokenLogprob of each output token, when the request asks
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -140,4 +142,4 @@ class Sequence:
                          s.num_target_forwards, list(s.draft_lengths))
         return SeqSnapshot(self.seq_id, self.request_id, self.prompt_token_ids, self.num_output_tokens,
                            self.output_text, self.finish_reason, self.stop_reason, spec, self.arrival_time,
-                           self.first_token_time)
+                           self.first_token_time, tuple(self.logprobs))

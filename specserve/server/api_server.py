@@ -40,6 +40,7 @@ from specserve.server.responses import (
     TokenizeResponse,
 )
 from specserve.server.streaming import MakeChunk, last_output, sse_events, unless_disconnected
+from specserve.server.token_text import TokenText
 from specserve.tokenizer import flatten_content
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ServerState:
     api_key: str | None
     metrics: ServerMetrics
     sampling_defaults: SamplingDefaults
+    token_text: TokenText
 
     @property
     def tokenizer(self):
@@ -115,7 +117,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     state = ServerState(engine, names, api_key, ServerMetrics(names[0], engine),
-                        SamplingDefaults.of(engine.generation_config))
+                        SamplingDefaults.of(engine.generation_config), TokenText(engine.tokenizer))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -224,9 +226,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
         model, request_id = state.check_model(body.model), f"chatcmpl-{uuid.uuid4().hex}"
         body.check_supported()
         prompt_ids = await asyncio.to_thread(state.chat_prompt_ids, body)
+        shown = dict(text_of=state.token_text, logprobs=body.logprobs)
         return await generate(request, body, prompt_ids, request_id, None,
-                              partial(ChatCompletionChunk.of, request_id, model),
-                              partial(ChatCompletionResponse.of, request_id, model),
+                              partial(ChatCompletionChunk.of, request_id, model, **shown),
+                              partial(ChatCompletionResponse.of, request_id, model, **shown),
                               ChatCompletionChunk.role(request_id, model))
 
     @routes.post("/v1/completions")
@@ -235,9 +238,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
         body.check_supported()
         prompt = body.single_prompt()
         prompt_ids = await asyncio.to_thread(state.prompt_ids, prompt) if isinstance(prompt, str) else prompt
+        shown = dict(text_of=state.token_text, logprobs=body.logprobs is not None)
         return await generate(request, body, prompt_ids, request_id, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                              partial(CompletionResponse.chunk, request_id, model),
-                              partial(CompletionResponse.of, request_id, model))
+                              partial(CompletionResponse.chunk, request_id, model, **shown),
+                              partial(CompletionResponse.of, request_id, model, **shown))
 
     app.include_router(open_routes)
     app.include_router(routes)

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from specserve.config import GenerationConfig
 from specserve.drafting.factory import all_options
 from specserve.drafting.options import NUM_ASSISTANT_TOKENS, Option, spellings
+from specserve.engine.logprobs import MAX_TOP_LOGPROBS
 from specserve.sampling_params import (
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
 )
@@ -29,8 +30,6 @@ from specserve.server.errors import APIError
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
     "prompt_logprobs": lambda v: v is None,
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
@@ -170,6 +169,11 @@ class GenerationRequest(DraftingFields):
                 and (value := getattr(self, name)) is not None}
 
     @property
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs per token the request wants (0: only the chosen token's); None: none."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -196,6 +200,7 @@ class GenerationRequest(DraftingFields):
                 stop=[s for s in ([self.stop] if isinstance(self.stop, str) else self.stop or []) if s],
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
+                logprobs=self.requested_logprobs,
                 num_assistant_tokens=self.num_assistant_tokens,
                 draft_options=self.draft_options(),
             )
@@ -237,6 +242,18 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(integral)] | None = None
+
+    @model_validator(mode="after")
+    def check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -245,6 +262,11 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(integral)] | None = None
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt

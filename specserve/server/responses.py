@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from specserve.engine.llm_engine import StepOutput
 from specserve.runtime.sequence import SeqSnapshot
+from specserve.server.token_text import TokenText
 
 
 class Usage(BaseModel):
@@ -39,12 +40,52 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+    @classmethod
+    def of(cls, logprobs, text_of: TokenText) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> dict:
+            text, raw = text_of.of(token_id)
+            return {"token": text, "logprob": logprob, "bytes": raw}
+        return cls(content=[ChatTokenLogprob(**entry(lp.token_id, lp.logprob),
+                                             top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
+                            for lp in logprobs])
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, logprobs, text_of: TokenText, offset: int = 0) -> CompletionLogprobs:
+        texts = [text_of.of(lp.token_id)[0] for lp in logprobs]
+        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        top = [{text_of.of(t)[0]: v for t, v in lp.top} for lp in logprobs] if any(lp.top for lp in logprobs) \
+            else None
+        return cls(tokens=texts, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top, text_offset=offsets)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -56,9 +97,11 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
     @classmethod
-    def of(cls, request_id: str, model: str, seq: SeqSnapshot) -> ChatCompletionResponse:
+    def of(cls, request_id: str, model: str, seq: SeqSnapshot, text_of: TokenText | None = None,
+           logprobs: bool = False) -> ChatCompletionResponse:
         choice = ChatChoice(message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
-                            stop_reason=seq.stop_reason)
+                            stop_reason=seq.stop_reason,
+                            logprobs=ChatLogprobs.of(seq.logprobs, text_of) if logprobs else None)
         return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
 
 
@@ -67,7 +110,7 @@ class ChatStreamChoice(BaseModel):
     delta: dict[str, str]                 # {"role": "assistant", "content": ""} first, then {"content": ...}
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -79,11 +122,13 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
     @classmethod
-    def of(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None):
+    def of(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None,
+           text_of: TokenText | None = None, logprobs: bool = False):
         """The chunk of one engine step's output, or (out None) the closing usage chunk."""
         choices = []
         if out is not None:
-            choices = [ChatStreamChoice(delta={"content": out.new_text}, **finish_fields(out))]
+            lp = ChatLogprobs.of(out.new_logprobs, text_of) if logprobs else None
+            choices = [ChatStreamChoice(delta={"content": out.new_text}, logprobs=lp, **finish_fields(out))]
         return cls(id=request_id, model=model, choices=choices, usage=usage)
 
     @classmethod
@@ -97,7 +142,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -110,13 +155,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
     @classmethod
-    def of(cls, request_id: str, model: str, seq: SeqSnapshot) -> CompletionResponse:
-        choice = CompletionChoice(text=seq.output_text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+    def of(cls, request_id: str, model: str, seq: SeqSnapshot, text_of: TokenText | None = None,
+           logprobs: bool = False) -> CompletionResponse:
+        lp = CompletionLogprobs.of(seq.logprobs, text_of) if logprobs else None
+        choice = CompletionChoice(text=seq.output_text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                  logprobs=lp)
         return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
 
     @classmethod
-    def chunk(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None):
-        choices = [CompletionChoice(text=out.new_text, **finish_fields(out))] if out is not None else []
+    def chunk(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None,
+              text_of: TokenText | None = None, logprobs: bool = False):
+        choices = []
+        if out is not None:
+            offset = len(out.seq.output_text) - len(out.new_text)        # where this chunk's text starts
+            lp = CompletionLogprobs.of(out.new_logprobs, text_of, offset) if logprobs else None
+            choices = [CompletionChoice(text=out.new_text, logprobs=lp, **finish_fields(out))]
         return cls(id=request_id, model=model, choices=choices, usage=usage)
 
 
