@@ -119,3 +119,14 @@ def test_auto_reports_its_lengths_and_a_fixed_number_is_obeyed():
                                                   num_assistant_tokens="auto"))[0]
     # one per decode step: every target forward but the prompt's
     assert len(out.spec["draft_lengths"]) == out.spec["num_target_forwards"] - 1 and max(out.spec["draft_lengths"]) <= 8
+
+
+def test_prompt_rows_are_costed_apart_from_decode_rows():
+    costs = StepCosts()
+    costs.seconds = np.array([1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 5.0, 9.0])
+    table = costs.seconds.copy()
+    for _ in range(20):
+        costs.observe_step(decode_rows=4, prompt_rows=500, seconds=1.0 + 500 * 0.001)   # T(4) = 1, then P
+    assert (costs.seconds == table).all() and costs.per_prompt_row == pytest.approx(0.001)
+    costs.observe_step(decode_rows=4, prompt_rows=0, seconds=2.0)                     # decode-only: the table
+    assert costs.target(4) > 1.0

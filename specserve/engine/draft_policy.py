@@ -7,10 +7,11 @@ accepted given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits 
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + c * sum_i k_i,             R = rows of the target's forward (1 + k_i per decoding sequence,
-                                                 plus the step's prompt rows and fixed drafts)
+    S(k) = T(R) + P * prompt_rows + c * sum_i k_i,      R = decode-shaped rows (1 + k_i per decoding sequence,
+                                                           plus fixed drafts)
 
-where T is the target's forward-and-verify time at R rows and c the drafter's time per draft token. The policy
+where T is the target's forward-and-verify time at R decode rows, P its time per prompt-chunk row (batched
+attention: far cheaper than a decode row) and c the drafter's time per draft token. The policy
 picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in
 descending order of g over the whole batch visits, for every total n, the allocation with the most expected
 tokens at that cost (S depends on n only); G is evaluated at every n at once and the best n taken. Cheap verify
@@ -18,8 +19,9 @@ rows and high acceptance give long chains; a large batch (T steep in R) with low
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
 (itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
-counts, measured once at the first "auto" step (`calibrate`) and corrected after every step from its measured
-time; c is a running mean of propose() time per draft token. A sequence held at 0 drafts one token every
+counts, measured at start-up (`calibrate`) and corrected after every decode-only step from its measured time;
+P is a running mean of what steps with prompt rows took beyond T; c a running mean of propose() time per draft
+token. A sequence held at 0 drafts one token every
 PROBE_EVERY steps, so its estimate can recover (the explore step of a bandit).
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
@@ -67,12 +69,24 @@ class StepCosts:
     seconds: np.ndarray | None = None
     per_draft_token: float = 0.0
     num_draft_samples: int = 0
+    per_prompt_row: float = 0.0
+    num_prompt_samples: int = 0
 
     def target(self, rows: np.ndarray | float) -> np.ndarray:
         x, y = self.rows, self.seconds
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
         r = np.asarray(rows, dtype=float)
         return np.where(r <= x[-1], np.interp(r, x, y), y[-1] + slope * (r - x[-1]))
+
+    def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
+        """A measured target forward and verify: a decode-only one corrects T, one with prompt rows P."""
+        if prompt_rows == 0:
+            self.observe_target(decode_rows, seconds)
+            return
+        residual = max(0.0, seconds - (float(self.target(decode_rows)) if decode_rows else 0.0))
+        self.num_prompt_samples += 1
+        rate = max(TIME_RATE, 1 / self.num_prompt_samples)
+        self.per_prompt_row += rate * (residual / prompt_rows - self.per_prompt_row)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         """Move the points around `rows` toward the measured time (multiplicatively, weighted by closeness)."""
@@ -144,10 +158,11 @@ class DraftPolicy:
             return prior
         return (own.accepted + PRIOR_WEIGHT * prior) / (own.attempted + PRIOR_WEIGHT)
 
-    def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int) -> list[int]:
-        """Draft lengths for the candidates. fixed_rows: the step's rows the policy does not choose (prompt
-        chunks, 1 per decoding sequence, fixed drafts); num_fixed_tokens: tokens the step commits regardless
-        (one per sequence that samples, plus the fixed drafts' expected gains, which only shift the optimum)."""
+    def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, prompt_rows: int = 0
+               ) -> list[int]:
+        """Draft lengths for the candidates. fixed_rows: the step's decode rows the policy does not choose (1 per
+        decoding sequence, fixed drafts); prompt_rows: its prompt-chunk rows; num_fixed_tokens: tokens the step
+        commits regardless (one per sequence that samples)."""
         if not candidates:
             return []
         K = self.max_positions
@@ -159,7 +174,8 @@ class DraftPolicy:
         usable = int((sorted_gains >= 0).sum())
         n = np.arange(usable + 1)
         expected = num_fixed_tokens + np.concatenate([[0.0], np.cumsum(sorted_gains[:usable])])
-        seconds = self.costs.target(fixed_rows + n) + self.costs.per_draft_token * n
+        seconds = self.costs.target(fixed_rows + n) + self.costs.per_prompt_row * prompt_rows + \
+            self.costs.per_draft_token * n
         best = int(np.argmax(expected / seconds))
         lengths = np.zeros(len(candidates), dtype=int)
         np.add.at(lengths, order[:best] // K, 1)

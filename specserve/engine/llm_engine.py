@@ -214,7 +214,9 @@ class LLMEngine:
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
         verified = self.verify(scheduled, draft, hidden)
         if self.policy.calibrated:
-            self.policy.costs.observe_target(sum(len(it.token_ids) for it in items), time.perf_counter() - drafted)
+            prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
+            self.policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows,
+                                           time.perf_counter() - drafted)
         self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start)
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
@@ -229,10 +231,12 @@ class LLMEngine:
         auto = [s for s in scheduled if s.num_draft_tokens > 0 and s.seq.params.auto_draft]
         if not auto:
             return
-        fixed_rows = sum(s.num_new + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in scheduled)
+        decoding = [s for s in scheduled if s.num_new == 1]
+        fixed_rows = sum(1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding)
+        prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
         num_sampling = sum(s.completes_prompt for s in scheduled)
         lengths = self.policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens) for s in auto], fixed_rows,
-                                     num_sampling)
+                                     num_sampling, prompt_rows)
         for s, k in zip(auto, lengths):
             s.num_draft_tokens = k
 
