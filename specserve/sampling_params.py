@@ -29,6 +29,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0     # OpenAI's: minus this where a token is in the output (-2 to 2)
+    frequency_penalty: float = 0.0    # minus this times the token's count in the output (-2 to 2)
+    repetition_penalty: float = 1.0   # vLLM's / transformers': over prompt and output tokens (> 0; 1 = off)
+    min_tokens: int = 0               # EOS and stop_token_ids masked until the output has this many tokens
+    min_p: float = 0.0                # drop tokens below min_p x the most likely one's probability
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100 to 100)
     logprobs: int | None = None       # the target's logprob of each output token, and this many top ones; None: off
     # speculative decoding
     num_assistant_tokens: int | str | None = None    # "auto": chosen per step (engine/draft_policy.py)
@@ -53,6 +59,18 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.num_assistant_tokens, int) and self.num_assistant_tokens < 0:
@@ -77,9 +95,10 @@ class SamplingParams:
 
 
 def sampling_tensors(params: list[SamplingParams], rows_each: int = 1, device=None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """compute_probs' temperature, top_k and top_p for these requests, each repeated for rows_each rows."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compute_probs' temperature, top_k, top_p and min_p for these requests, each repeated for rows_each rows."""
     temperature = torch.tensor([p.temperature for p in params]).repeat_interleave(rows_each)
     top_k = torch.tensor([p.top_k for p in params]).repeat_interleave(rows_each)
     top_p = torch.tensor([p.top_p for p in params]).repeat_interleave(rows_each)
-    return temperature.to(device), top_k.to(device), top_p.to(device)
+    min_p = torch.tensor([p.min_p for p in params]).repeat_interleave(rows_each)
+    return temperature.to(device), top_k.to(device), top_p.to(device), min_p.to(device)

@@ -15,6 +15,7 @@ from torch import nn
 
 from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, CONFIDENCE_THRESHOLD, Option
 from specserve.drafting.tree import Tree
+from specserve.layers.logits_processors import process_batch
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.models.config import ModelConfig
 from specserve.sampling_params import sampling_tensors
@@ -93,10 +94,13 @@ class TargetHidden:
     rows: list[list[int]]
 
 
-def draw_draft_tokens(logits: torch.Tensor, seqs: list[Sequence], step: int, need_q: bool
+def draw_draft_tokens(logits: torch.Tensor, seqs: list[Sequence], step: int, need_q: bool,
+                      drafted: list[list[int]] | None = None, eos_ids: set[int] = frozenset()
                       ) -> tuple[list[int], torch.Tensor | None]:
     """logits [B, V] at draft step `step` -> (the draft tokens: argmax for greedy requests, else sampled from q
-    with the draft stream of per-position uniforms; q [B, V], one-hot for greedy rows, None when not needed)."""
+    with the draft stream of per-position uniforms; q [B, V], one-hot for greedy rows, None when not needed).
+    Penalties and biases apply to the drafter's logits as to the target's, after drafted[b] (its tokens so far)."""
+    logits = process_batch(logits, seqs, [[d] for d in drafted or [[] for _ in seqs]], eos_ids)
     greedy = all(s.params.greedy for s in seqs)
     if greedy and not need_q:
         return logits.argmax(dim=-1).tolist(), None
@@ -122,7 +126,8 @@ def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: 
     for step in range(K):
         logits = step_logits(step, active, drafts)
         # greedy rows in a batch with sampled ones get a one-hot q
-        tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None)
+        tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None,
+                                      [drafts[i] for i in active])
         for i, token in zip(active, tokens):
             drafts[i].append(token)
         if probs is not None:

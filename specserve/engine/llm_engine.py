@@ -139,6 +139,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if bad := [t for t in prompt_token_ids if not 0 <= t < vocab]:
             raise RequestError(f"prompt token ids out of the vocabulary: {bad[:5]}")
+        if bad := [t for t in params.logit_bias if not 0 <= t < vocab]:
+            raise RequestError(f"logit_bias token ids out of the vocabulary (size {vocab}): {bad[:5]}")
         if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
             raise RequestError(f"stop_token_ids out of the vocabulary (size {vocab}): {bad[:5]}")
         if params.top_k >= vocab:
@@ -271,7 +273,7 @@ class LLMEngine:
         return items
 
     def verify(self, scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tensor) -> Verified:
-        verified = verify_step(scheduled, draft, hidden, self.model.compute_logits)
+        verified = verify_step(scheduled, draft, hidden, self.model.compute_logits, self.tokenizer.eos_token_ids)
         for i, path in verified.paths.items():
             s = scheduled[i]
             if moves := path_moves(s.seq.num_computed_tokens + s.num_new, path):

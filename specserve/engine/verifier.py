@@ -12,6 +12,7 @@ import torch
 
 from specserve.engine.logprobs import TokenLogprob, token_logprobs
 from specserve.engine.scheduler import ScheduledSeq
+from specserve.layers.logits_processors import process_batch
 from specserve.runtime.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import sampling_tensors
@@ -37,9 +38,11 @@ class SampleRows:
     offsets: list[int]                 # for every scheduled sequence: its first row
 
 
-def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tensor, compute_logits) -> Verified:
+def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tensor, compute_logits,
+                eos_ids: set[int] = frozenset()) -> Verified:
     """The target's hidden states [N, H] -> the tokens each scheduled sequence commits (draft: one row per
-    scheduled sequence). Logits are computed only at sampling rows."""
+    scheduled sequence). Logits are computed only at sampling rows; penalties and biases are applied to each
+    row with the tokens before it (layers/logits_processors.py); logprobs are of the raw logits."""
     where = gather_rows(scheduled, draft)
     tokens: list[list[int] | None] = [None] * len(scheduled)
     paths: dict[int, list[int]] = {}
@@ -49,7 +52,8 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
         logits = compute_logits(hidden[pad.view(-1)])                                  # [B*(K+1), V]
         seqs = [scheduled[i].seq for i in where.seqs]
         trees = [draft.trees[i] for i in where.seqs]
-        y, p = draw_target(logits, seqs, trees, K)
+        prefixes = [row_prefixes(draft.token_ids[i], tree, K) for i, tree in zip(where.seqs, trees)]
+        y, p = draw_target(process_batch(logits, seqs, prefixes, eos_ids), seqs, trees, K)
         chain = [b for b, tree in enumerate(trees) if tree is None]
         if chain:
             ids = [draft.token_ids[where.seqs[b]] for b in chain]
@@ -81,6 +85,17 @@ def committed_logprobs(logits: torch.Tensor, indices: list[int], seqs: list[Sequ
         rows = list(range(len(tokens[i]))) if path is None else [0] + [node + 1 for node in path[:len(tokens[i]) - 1]]
         out[i] = token_logprobs(logits[b, rows], tokens[i], seq.params.logprobs)
     return out
+
+
+def row_prefixes(tokens: list[int], tree: Tree | None, K: int) -> list[list[int]]:
+    """The draft tokens before each of a sequence's K + 1 sampling rows: a chain's row j follows tokens[:j]; a
+    tree's row n + 1 follows node n's path from the root (rows past the draft repeat the last)."""
+    if tree is None:
+        rows = [tokens[:j] for j in range(len(tokens) + 1)]
+    else:
+        paths = [[tokens[m] for m in torch.nonzero(tree.attn_mask[n]).view(-1).tolist()] for n in range(len(tokens))]
+        rows = [[]] + paths
+    return rows + [rows[-1]] * (K + 1 - len(rows))
 
 
 def gather_rows(scheduled: list[ScheduledSeq], draft: Draft) -> SampleRows:

@@ -13,8 +13,10 @@ def compute_probs(
     temperature: torch.Tensor,  # [M] float, 0 = greedy
     top_k: torch.Tensor,        # [M] int64, 0 = off
     top_p: torch.Tensor,        # [M] float, 1.0 = off
+    min_p: torch.Tensor | None = None,  # [M] float, 0 = off
 ) -> torch.Tensor:
-    """softmax(logits / T), truncated to the top-k tokens, then to the top-p nucleus, renormalized.
+    """softmax(logits / T), without the tokens below min_p x the most likely one's probability, truncated to
+    the top-k tokens, then to the top-p nucleus, renormalized (vLLM's order: min_p, then top-k/top-p).
 
     Greedy rows (T == 0) are exactly one-hot at argmax(logits) (ties: the lowest index).
     Returns [M, V] float32.
@@ -24,6 +26,10 @@ def compute_probs(
     greedy = temperature <= 0                                              # [M]
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)
     logits = logits / t[:, None]                                           # [M, V]
+    if min_p is not None and bool(((min_p > 0) & ~greedy).any()):
+        probs = torch.softmax(logits, dim=-1)
+        floor = (min_p.to(probs) * probs.amax(dim=-1))[:, None]           # [M, 1]
+        logits = logits.masked_fill((probs < floor) & ~greedy[:, None], float("-inf"))
     use_k = (top_k > 0) & (top_k < V) & ~greedy                            # [M]
     use_p = (top_p < 1) & ~greedy                                          # [M]
     if bool((use_k | use_p).any()):  # only sort the vocabulary when some row truncates

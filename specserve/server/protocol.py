@@ -33,11 +33,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": lambda v: v is None,
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
-    "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
-    "min_tokens": lambda v: v in (None, 0),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
@@ -131,6 +126,12 @@ class GenerationRequest(DraftingFields):
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, le=10, allow_inf_nan=False)
+    min_tokens: Annotated[int, Field(ge=0), BeforeValidator(integral)] | None = None
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -162,6 +163,15 @@ class GenerationRequest(DraftingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias keyed by token id (OpenAI sends the ids as JSON object keys: strings)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"-?[0-9]+", key):
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def draft_options(self) -> dict[str, int]:
         """The drafting options the request sets, but num_assistant_tokens, by their spelling in the request."""
@@ -201,6 +211,12 @@ class GenerationRequest(DraftingFields):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=self.requested_logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=first_set(self.repetition_penalty, 1.0),
+                min_tokens=self.min_tokens or 0,
+                min_p=self.min_p or 0.0,
+                logit_bias=self.token_bias(),
                 num_assistant_tokens=self.num_assistant_tokens,
                 draft_options=self.draft_options(),
             )
