@@ -30,5 +30,5 @@ def test_no_import_points_up(package):
 
 def test_no_file_is_long():
     long = [(str(p.relative_to(PACKAGE)), n) for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 320]
-    assert not long, f"files over 320 lines: {long}"
+            if (n := len(p.read_text().splitlines())) > 300 and "train" not in p.parts]
+    assert not long, f"files over 300 lines (training code aside): {long}"

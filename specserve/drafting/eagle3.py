@@ -23,26 +23,15 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, restart_tail
+from specserve.drafting.eagle3_check import check_acceptance
 from specserve.drafting.tree import GrowingTree
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
 from specserve.models.packing import pack_for_inference
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.runtime.sequence import Sequence
-from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# a short built-in prompt set for the start-up check of the head against its target
-CHECK_PROMPTS = [
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
-    "def factorial(n):\n    if n == 0:\n        return 1\n    return n * factorial(n - 1)\n",
-    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
-    "arrows of outrageous fortune, or to take arms against a sea of troubles.",
-    "import os\nimport sys\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n"
-    "    def push(self, item):\n        self.items.append(item)\n",
-    "The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is Rome.",
-]
-NEAR_ZERO_ACCEPTANCE = 0.1
 # nodes a request's draft tree may grow in one step (branching + branching^2 * (depth - 1)): the head
 # runs branching * (depth - 1) of them and ranks them all, so this bounds the drafting time one request
 # adds to a step; EAGLE-2's default tree (top-k 10, depth 6) grows 510
@@ -84,7 +73,7 @@ class Eagle3Proposer(Proposer):
         written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"
         logger.info("EAGLE3 head %s reads the target's hidden states entering layers %s (%s, target of %d layers)",
                     path, list(self.layers), written, target.num_hidden_layers)
-        self.check_acceptance(ctx.target, ctx.tokenizer)
+        check_acceptance(self.head, self.layers, ctx.target, ctx.tokenizer, self.dtype, self.device)
 
     @classmethod
     def create(cls, path: Path | None, ctx: DrafterContext) -> Eagle3Proposer:
@@ -277,38 +266,3 @@ class Eagle3Proposer(Proposer):
             grown = cache.new_zeros(cache.shape[0], next_block * bs - cache.shape[1], *cache.shape[2:])
             self.runner.kv_cache = torch.cat([cache, grown], dim=1)
         return tables
-
-    # ---- start-up check ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def check_acceptance(self, target: torch.nn.Module, tokenizer: Tokenizer) -> float:
-        """First-step greedy agreement of head and target on CHECK_PROMPTS, logged; a warning when near
-        zero, naming the neighbouring layer choice when that one does much better (the classic trap)."""
-        L = target.config.num_hidden_layers
-        candidates = [self.layers] + [tuple(i + d for i in self.layers) for d in (-1, 1)]
-        candidates = [c for c in candidates if all(0 <= i <= L for i in c)]
-        total = {c: [0, 0] for c in candidates}
-        for text in CHECK_PROMPTS:
-            ids = torch.tensor([tokenizer.encode(text)], device=self.device)             # [1, T]
-            T = ids.shape[1]
-            if T < 3:
-                continue
-            final, aux = target(ids, torch.arange(T, device=self.device), None, tuple(range(L + 1)))
-            want = target.compute_logits(final[0, 1:]).argmax(-1)                               # [T-1]
-            for c in candidates:
-                states = torch.cat([aux[i][0, :-1] for i in sorted(c)], dim=-1).to(self.dtype)   # [T-1, 3H]
-                out = self.head(ids[:, 1:], self.head.fc(states)[None], torch.arange(T - 1, device=self.device))
-                got = self.head.target_ids(self.head.draft_logits(out[0]).argmax(-1))
-                total[c][0] += int((got == want).sum())
-                total[c][1] += T - 1
-        rates = {c: hit / max(1, n) for c, (hit, n) in total.items()}
-        rate = rates[self.layers]
-        logger.info("EAGLE3 head: first-step greedy acceptance %.2f on the built-in prompts", rate)
-        if rate < NEAR_ZERO_ACCEPTANCE:
-            better = max(rates, key=rates.get)
-            hint = ""
-            if better != self.layers and rates[better] > 2 * rate + 0.05:
-                hint = (f"; reading layers {list(better)} instead gives {rates[better]:.2f}: the head was probably "
-                        f"trained with another layer convention (set eagle_aux_hidden_state_layer_ids in its config)")
-            logger.warning("EAGLE3 head: first-step acceptance is near zero (%.2f) with target layers %s: is it "
-                           "trained for this target?%s", rate, list(self.layers), hint)
-        return rate

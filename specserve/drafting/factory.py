@@ -11,10 +11,11 @@ from specserve.drafting.draft_model import DraftModelProposer
 from specserve.drafting.eagle3 import Eagle3Proposer
 from specserve.drafting.mtp import MTPProposer
 from specserve.drafting.ngram import NgramProposer
-from specserve.drafting.options import NUM_ASSISTANT_TOKENS, Option
+from specserve.drafting.options import NUM_ASSISTANT_TOKENS, Option, canonical, reject_foreign, resolve_options, spellings
 from specserve.drafting.proposer import NoProposer, Proposer
 from specserve.models.config import ModelConfig
 from specserve.models.registry import MODEL_REGISTRY
+from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -123,3 +124,29 @@ def options_by_method() -> dict[str, tuple[Option, ...]]:
 def all_options() -> tuple[Option, ...]:
     """Every method's options, each once: the request fields, generation_config.json keys and flags there are."""
     return tuple({o.name: o for method in METHODS for o in method_options(method)}.values())
+
+
+def engine_draft_defaults(method: str, config, generation: dict) -> dict[str, int | float | str]:
+    """The engine-wide value of each option of the serving method: the engine's flag (config: an EngineConfig),
+    then the model's generation_config.json (`generation`), then the option's default."""
+    every, known = options_by_method(), spellings(all_options())
+    flags = dict(config.draft_options)
+    if config.num_assistant_tokens is not None:
+        flags["num_assistant_tokens"] = config.num_assistant_tokens
+    flags = canonical(flags, all_options(), " (engine option)")
+    reject_foreign(flags, method, every)
+    gen = canonical({k: v for k, v in generation.items() if k in known}, all_options(),
+                    f" in {config.model}/generation_config.json")
+    return {o.name: flags.get(o.name, gen.get(o.name, o.default)) for o in every[method]}
+
+
+def resolve_request_options(params: SamplingParams, method: str, proposer: Proposer, defaults: dict) -> None:
+    """Fill a request's unset drafting settings from the engine's and check them (the method checks what is its
+    own: tree settings, its limits); ValueError names what is wrong."""
+    requested = canonical(params.draft_options, all_options())
+    reject_foreign(requested, method, options_by_method())
+    if params.num_assistant_tokens is None:
+        params.num_assistant_tokens = defaults.get(NUM_ASSISTANT_TOKENS.name, 0)
+    NUM_ASSISTANT_TOKENS.check(params.num_assistant_tokens)
+    params.draft_options = resolve_options(requested, proposer.options, defaults)
+    proposer.check(params)

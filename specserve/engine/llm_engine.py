@@ -10,8 +10,8 @@ import torch
 
 from specserve.config import EngineConfig, GenerationConfig
 from specserve.distributed.runner import ParallelRunner, ParallelTarget
-from specserve.drafting.factory import all_options, options_by_method, proposer_class, resolve_method
-from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, NUM_ASSISTANT_TOKENS, canonical, reject_foreign, resolve_options, spellings
+from specserve.drafting.factory import engine_draft_defaults, proposer_class, resolve_method, resolve_request_options
+from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
@@ -64,7 +64,7 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         self.generation_config = GenerationConfig.from_model_dir(config.model)
         self.spec_method, drafter_path = resolve_method(config, self.model_config)
-        self.draft_defaults = self._draft_defaults()
+        self.draft_defaults = engine_draft_defaults(self.spec_method, config, self.generation_config.values)
         proposer_cls = proposer_class(self.spec_method)
         mc = self.model_config
         ctx = DrafterContext(self.model, mc, self.tokenizer, Path(config.model), self.dtype, self.device,
@@ -99,31 +99,12 @@ class LLMEngine:
                     config.model, mc.architectures[0], self.dtype, self.device, num_blocks, config.block_size,
                     self.spec_method)
 
-    def _draft_defaults(self) -> dict[str, int]:
-        """The engine-wide value of each option of the serving method: the engine's flag, then the model's
-        generation_config.json, then the option's default."""
-        every, known = options_by_method(), spellings(all_options())
-        flags = dict(self.config.draft_options)
-        if self.config.num_assistant_tokens is not None:
-            flags["num_assistant_tokens"] = self.config.num_assistant_tokens
-        flags = canonical(flags, all_options(), " (engine option)")
-        reject_foreign(flags, self.spec_method, every)
-        gen = {k: v for k, v in self.generation_config.values.items() if k in known}
-        gen = canonical(gen, all_options(), f" in {self.config.model}/generation_config.json")
-        return {o.name: flags.get(o.name, gen.get(o.name, o.default)) for o in every[self.spec_method]}
-
     # ---- requests ---------------------------------------------------------------------------
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Fill the request's unset drafting settings from the engine's, and check them (the drafting method
         checks what is its own: tree settings, its limits)."""
         try:
-            requested = canonical(params.draft_options, all_options())
-            reject_foreign(requested, self.spec_method, options_by_method())
-            if params.num_assistant_tokens is None:
-                params.num_assistant_tokens = self.draft_defaults.get("num_assistant_tokens", 0)
-            NUM_ASSISTANT_TOKENS.check(params.num_assistant_tokens)
-            params.draft_options = resolve_options(requested, self.proposer.options, self.draft_defaults)
-            self.proposer.check(params)
+            resolve_request_options(params, self.spec_method, self.proposer, self.draft_defaults)
         except ValueError as e:
             raise RequestError(str(e)) from e
         return params

@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,11 +28,11 @@ from specserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineO
 from specserve.engine.llm_engine import RequestError
 from specserve.runtime.sequence import SeqSnapshot
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
+from specserve.server.state import ServerState
 from specserve.server.metrics import ServerMetrics
 from specserve.server.errors import APIError
 from specserve.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest, SamplingDefaults, TokenizeRequest,
-    check_text,
 )
 from specserve.server.responses import (
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ModelCard, ModelList,
@@ -41,49 +40,10 @@ from specserve.server.responses import (
 )
 from specserve.server.streaming import MakeChunk, last_output, sse_events, unless_disconnected
 from specserve.server.token_text import TokenText
-from specserve.tokenizer import flatten_content
 
 logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
-
-
-@dataclass(slots=True)
-class ServerState:
-    engine: AsyncEngine
-    served_model_names: list[str]
-    api_key: str | None
-    metrics: ServerMetrics
-    sampling_defaults: SamplingDefaults
-    token_text: TokenText
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_len(self) -> int:
-        return self.engine.max_len
-
-    def check_model(self, model: str | None) -> str:
-        if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                                f"{', '.join(self.served_model_names)}", param="model")
-        return self.served_model_names[0]
-
-    # run in a worker thread (tokenizing or templating a large prompt takes seconds), never on the event loop
-    def chat_prompt_ids(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        try:
-            messages = [{**m.model_dump(exclude_none=True), "content": flatten_content(m.content)}
-                        for m in body.messages]
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                        **(body.chat_template_kwargs or {}))
-        except Exception as e:              # template errors (raise_exception, bad parts) are the request's
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-        return self.tokenizer.encode(check_text(prompt, "messages"), add_special_tokens=False)
-
-    def prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(check_text(prompt, "prompt"), add_special_tokens=add_special_tokens)
 
 
 def validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:

@@ -6,24 +6,22 @@ Validation is strict (JSON types as OpenAI documents them), except that an integ
 taken where an integer is expected, as OpenAI and vLLM do."""
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Callable
 
-import numpy as np
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model, \
-    field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from specserve.config import GenerationConfig
 from specserve.drafting.factory import all_options
-from specserve.drafting.options import NUM_ASSISTANT_TOKENS, Option, spellings
+from specserve.drafting.options import NUM_ASSISTANT_TOKENS, spellings
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS
 from specserve.sampling_params import (
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
 )
 from specserve.server.errors import APIError
+from specserve.server.request_fields import (  # noqa: F401 (re-exported: the server imports them from here)
+    LONE_SURROGATE, DraftingFields, Int, NonNegativeInt, OpenAIRequest, PositiveInt, SamplingDefaults, StreamOptions,
+    TokenIds, check_text, integral, integral_ids,
+)
 
 
 # fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
@@ -41,79 +39,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: not v,             # until tool calls exist: a 400, not a plain-text answer
     "functions": lambda v: not v,
 }
-
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")    # what JSON's "\ud800" escape gives: text with no UTF-8 form
-
-
-def check_text(text: str, param: str) -> str:
-    """Text about to be tokenized; a lone surrogate (which the tokenizer cannot take) is the request's error."""
-    if LONE_SURROGATE.search(text):
-        raise APIError(400, f"{param} holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode",
-                       param=param)
-    return text
-
-
-def integral(value: Any) -> Any:
-    """An integral float as the int it names (5.0 -> 5); anything else unchanged, for strict int validation."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def integral_ids(values: list[float]) -> list[int]:
-    """Token ids sent as floats (1.0), checked and converted in one vectorised pass."""
-    a = np.asarray(values, dtype=np.float64)
-    if not (np.isfinite(a).all() and (a == np.rint(a)).all() and (np.abs(a) < 2.0 ** 63).all()):
-        raise ValueError("token ids must be integers")
-    return a.astype(np.int64).tolist()
-
-
-Int = Annotated[int, BeforeValidator(integral)]
-PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(integral)]      # the bound first: it shows in the schema
-NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(integral)]
-# a list of ints validates in pydantic's own code; only a list holding floats takes the second form
-TokenIds = list[int] | Annotated[list[float], AfterValidator(integral_ids)]
-
-
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class StreamOptions(OpenAIRequest):
-    include_usage: bool = False
-
-
-@dataclass(slots=True)
-class SamplingDefaults:
-    """The model's generation_config.json values for unset request fields (then SamplingParams' own)."""
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_tokens: int | None = None
-
-    @classmethod
-    def of(cls, gen: GenerationConfig) -> SamplingDefaults:
-        temperature = gen.get("temperature")
-        if gen.get("do_sample") is False:    # transformers' meaning: greedy unless the request samples
-            temperature = 0.0
-        return cls(temperature, gen.get("top_p"), gen.get("top_k"), gen.get("max_new_tokens"))
-
-
-def option_field(option: Option) -> tuple[Any, None]:
-    """A request field checked by the option itself (its kind, bounds and "auto"), so that its error names it."""
-    def check(value: Any) -> Any:
-        return None if value is None else option.check(integral(value) if option.kind is int else value)
-
-    number = {"type": "number" if option.kind is float else "integer", "minimum": option.minimum}
-    if option.maximum is not None:
-        number["maximum"] = option.maximum
-    schema = {"anyOf": [number, {"const": "auto"}] if option.auto else [number], "description": option.help}
-    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)], None
-
-
-# the drafting methods' request fields (drafting/options.py), each spelling its own field; the method validates
-# their combination when the engine admits the request
-DraftingFields = create_model("DraftingFields", __base__=OpenAIRequest,
-                              **{name: option_field(o) for name, o in spellings(all_options()).items()})
-
 
 class GenerationRequest(DraftingFields):
     """Fields shared by chat and text completions."""
