@@ -84,8 +84,10 @@ class AsyncEngine:
         before its last output reaches the caller."""
         self.finish_listeners.append(listener)
 
-    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Admit a request; raises EngineOverloadedError, EngineDeadError, or the engine's RequestError."""
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                          after: str | None = None) -> RequestStream:
+        """Admit a request (after: another request whose computed prompt it reuses, see LLMEngine.add_request);
+        raises EngineOverloadedError, EngineDeadError, or the engine's RequestError."""
         if self.dead is not None:
             raise self.dead
         with self._lock:
@@ -96,7 +98,7 @@ class AsyncEngine:
                     f"{self.max_num_in_flight - self.engine.config.max_num_seqs}); retry later")
             self.num_in_flight += 1
         stream = RequestStream(self, request_id)
-        self._commands.put(AddRequest(list(prompt_token_ids), params, stream))
+        self._commands.put(AddRequest(list(prompt_token_ids), params, stream, after))
         self._wake.set()
         if self.dead is not None:            # the thread stopped after our first check: nobody reads the queue
             stream.admit(self.dead)
@@ -156,7 +158,8 @@ class AsyncEngine:
                 continue
             stream = command.stream
             try:
-                seq = self.engine.add_request(command.prompt_token_ids, command.params, stream.request_id)
+                seq = self.engine.add_request(command.prompt_token_ids, command.params, stream.request_id,
+                                              command.after)
             except Exception as e:           # RequestError and anything else: the caller's error, not ours
                 self._release()
                 stream.admit(e)

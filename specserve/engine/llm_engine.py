@@ -93,6 +93,7 @@ class LLMEngine:
         # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
         self.max_model_len = min(self.max_model_len, self.max_num_tokens - 1)
         self.requests: dict[str, Sequence] = {}
+        self.parked: dict[str, list[Sequence]] = {}    # request id -> siblings waiting for its prompt (n > 1)
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.stats = SpecStats()
         logger.info("model %s (%s, %s on %s), %d KV blocks of %d tokens, speculative method: %s",
@@ -109,7 +110,10 @@ class LLMEngine:
             raise RequestError(str(e)) from e
         return params
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    after: str | None = None) -> Sequence:
+        """after: the id of a request with the same prompt (n > 1): this one waits until that one's prompt is
+        computed, then finds its full blocks in the prefix cache instead of computing them again."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
         params = self.resolve(params)
@@ -135,8 +139,17 @@ class LLMEngine:
         seq.arrival_time = time.perf_counter()
         self.requests[seq.request_id] = seq
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
-        self.scheduler.add(seq)
+        parent = self.requests.get(after) if after is not None else None
+        if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
+            self.parked.setdefault(parent.request_id, []).append(seq)
+        else:
+            self.scheduler.add(seq)
         return seq
+
+    def _unpark(self, request_id: str) -> None:
+        for seq in self.parked.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -151,6 +164,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.proposer.on_finished(seq)
         self.policy.forget(seq.seq_id)
+        self._unpark(seq.request_id)
         self.requests.pop(seq.request_id, None)
         self.detokenizers.pop(seq.seq_id, None)
         self.stats.merge(seq.spec)
@@ -206,6 +220,8 @@ class LLMEngine:
         self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         for s in scheduled:
             self._register(s.seq)
+            if s.completes_prompt and s.seq.request_id in self.parked:   # its prompt's blocks are registered now
+                self._unpark(s.seq.request_id)
         return outputs
 
     def choose_draft_lengths(self, scheduled: list[ScheduledSeq]) -> None:

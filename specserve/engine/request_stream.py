@@ -45,6 +45,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: RequestStream
+    after: str | None = None           # a sibling (n > 1) waits for this request's prompt, then shares its blocks
 
 
 @dataclass(slots=True)

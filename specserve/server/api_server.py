@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from specserve.distributed.runner import ParallelTarget
 from specserve.distributed.worker import run_torchrun_worker
 from specserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineUnavailableError,
-                                          RequestFailedError)
+                                          RequestFailedError, RequestStream)
 from specserve.engine.llm_engine import RequestError
 from specserve.runtime.sequence import SeqSnapshot
 from specserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, LimitRequestBytes
@@ -38,7 +38,7 @@ from specserve.server.responses import (
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ModelCard, ModelList,
     TokenizeResponse,
 )
-from specserve.server.streaming import MakeChunk, last_output, sse_events, unless_disconnected
+from specserve.server.streaming import MakeChunk, choice_sampling_params, last_outputs, sse_events, unless_disconnected
 from specserve.server.token_text import TokenText
 
 logger = logging.getLogger(__name__)
@@ -159,27 +159,35 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
 
     async def generate(request: Request, body: GenerationRequest, prompt_ids: list[int], request_id: str,
                        default_max_tokens: int | None, make_chunk: MakeChunk,
-                       make_response: Callable[[SeqSnapshot], BaseModel], opening: BaseModel | None = None) -> Response:
+                       make_response: Callable[[list[SeqSnapshot]], BaseModel], opening: BaseModel | None = None
+                       ) -> Response:
         params = body.to_sampling_params(state.sampling_defaults, len(prompt_ids), state.max_len, default_max_tokens)
-        try:
-            stream = await unless_disconnected(request, engine.add_request(prompt_ids, params, request_id))
-        except RequestError as e:
-            raise APIError(400, str(e)) from e
-        except (EngineOverloadedError, EngineDeadError) as e:
-            raise APIError(503, str(e)) from e
+        streams: list[RequestStream] = []
+        try:   # n > 1: one sequence per choice, seeded seed + i (vLLM's rule), sharing the prompt's KV blocks
+            for i, choice_params in enumerate(choice_sampling_params(params, body.n)):
+                streams.append(await unless_disconnected(request, engine.add_request(
+                    prompt_ids, choice_params, request_id if body.n == 1 else f"{request_id}-{i}",
+                    after=streams[0].request_id if streams else None)))
+        except (RequestError, EngineOverloadedError, EngineDeadError, APIError) as e:
+            for stream in streams:
+                stream.close()
+            if isinstance(e, APIError):
+                raise
+            raise APIError(400 if isinstance(e, RequestError) else 503, str(e)) from e
         if body.stream:
             # the background close() covers a client gone before the body iterator ever ran
-            return StreamingResponse(sse_events(stream, make_chunk, body.include_usage, opening),
-                                     media_type="text/event-stream", background=BackgroundTask(stream.close))
+            return StreamingResponse(sse_events(streams, make_chunk, body.include_usage, opening),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(lambda: [s.close() for s in streams]))
         try:
-            seq = (await unless_disconnected(request, last_output(stream))).seq
+            seqs = [out.seq for out in await unless_disconnected(request, last_outputs(streams))]
         except EngineUnavailableError as e:
             raise APIError(503, str(e)) from e
         except (EngineDeadError, RequestFailedError) as e:
             raise APIError(500, str(e)) from e
-        elapsed = time.perf_counter() - seq.arrival_time
-        rate = seq.num_output_tokens / elapsed if elapsed > 0 else 0.0
-        return JSONResponse(make_response(seq).model_dump(), headers={"x-tokens-per-second": f"{rate:.2f}"})
+        elapsed = time.perf_counter() - seqs[0].arrival_time
+        rate = sum(seq.num_output_tokens for seq in seqs) / elapsed if elapsed > 0 else 0.0
+        return JSONResponse(make_response(seqs).model_dump(), headers={"x-tokens-per-second": f"{rate:.2f}"})
 
     @routes.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

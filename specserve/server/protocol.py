@@ -24,9 +24,10 @@ from specserve.server.request_fields import (  # noqa: F401 (re-exported: the se
 )
 
 
+MAX_CHOICES = 16                      # n: choices per request
+
 # fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
     "prompt_logprobs": lambda v: v is None,
     "echo": lambda v: v in (None, False),
@@ -51,6 +52,7 @@ class GenerationRequest(DraftingFields):
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), BeforeValidator(integral)] = 1
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, le=10, allow_inf_nan=False)

@@ -7,7 +7,7 @@ import time
 from pydantic import BaseModel, Field
 
 from specserve.engine.llm_engine import StepOutput
-from specserve.runtime.sequence import SeqSnapshot
+from specserve.runtime.sequence import SeqSnapshot, SpecStats
 from specserve.server.token_text import TokenText
 
 
@@ -26,9 +26,17 @@ class Usage(BaseModel):
 
     @classmethod
     def from_seq(cls, seq: SeqSnapshot) -> Usage:
-        n_out = seq.num_output_tokens
-        return cls(prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
-                   total_tokens=seq.num_prompt_tokens + n_out, **seq.spec.to_dict())
+        return cls.from_seqs([seq])
+
+    @classmethod
+    def from_seqs(cls, seqs: list[SeqSnapshot]) -> Usage:
+        """One request's usage over its choices (n > 1): the prompt once, the completions and statistics summed."""
+        spec = SpecStats()
+        for seq in seqs:
+            spec.merge(seq.spec)
+        spec.draft_lengths = [k for seq in seqs for k in seq.spec.draft_lengths]
+        n_in, n_out = seqs[0].num_prompt_tokens, sum(seq.num_output_tokens for seq in seqs)
+        return cls(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out, **spec.to_dict())
 
 
 def now() -> int:
@@ -97,12 +105,13 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
     @classmethod
-    def of(cls, request_id: str, model: str, seq: SeqSnapshot, text_of: TokenText | None = None,
+    def of(cls, request_id: str, model: str, seqs: list[SeqSnapshot], text_of: TokenText | None = None,
            logprobs: bool = False) -> ChatCompletionResponse:
-        choice = ChatChoice(message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
-                            stop_reason=seq.stop_reason,
-                            logprobs=ChatLogprobs.of(seq.logprobs, text_of) if logprobs else None)
-        return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
+                              stop_reason=seq.stop_reason,
+                              logprobs=ChatLogprobs.of(seq.logprobs, text_of) if logprobs else None)
+                   for i, seq in enumerate(seqs)]
+        return cls(id=request_id, model=model, choices=choices, usage=Usage.from_seqs(seqs))
 
 
 class ChatStreamChoice(BaseModel):
@@ -155,12 +164,13 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
     @classmethod
-    def of(cls, request_id: str, model: str, seq: SeqSnapshot, text_of: TokenText | None = None,
+    def of(cls, request_id: str, model: str, seqs: list[SeqSnapshot], text_of: TokenText | None = None,
            logprobs: bool = False) -> CompletionResponse:
-        lp = CompletionLogprobs.of(seq.logprobs, text_of) if logprobs else None
-        choice = CompletionChoice(text=seq.output_text, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                                  logprobs=lp)
-        return cls(id=request_id, model=model, choices=[choice], usage=Usage.from_seq(seq))
+        choices = [CompletionChoice(index=i, text=seq.output_text, finish_reason=seq.finish_reason,
+                                    stop_reason=seq.stop_reason,
+                                    logprobs=CompletionLogprobs.of(seq.logprobs, text_of) if logprobs else None)
+                   for i, seq in enumerate(seqs)]
+        return cls(id=request_id, model=model, choices=choices, usage=Usage.from_seqs(seqs))
 
     @classmethod
     def chunk(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None,
