@@ -4,6 +4,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from specserve.structured_output import StructuredOutput
+
 # limits on what one request may ask of the engine (the server answers 400 beyond them)
 MAX_TEMPERATURE = 2.0                 # OpenAI's maximum
 MIN_TEMPERATURE = 1e-2                # a positive temperature below it is raised to it, as vLLM does: smaller
@@ -35,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0               # EOS and stop_token_ids masked until the output has this many tokens
     min_p: float = 0.0                # drop tokens below min_p x the most likely one's probability
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100 to 100)
+    structured: StructuredOutput | None = None   # a grammar the output follows (structured_output.py)
     logprobs: int | None = None       # the target's logprob of each output token, and this many top ones; None: off
     # speculative decoding
     num_assistant_tokens: int | str | None = None    # "auto": chosen per step (engine/draft_policy.py)

@@ -26,6 +26,7 @@ from specserve.runtime.device import resolve_device, resolve_dtype, set_cpu_thre
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.runtime.sequence import SeqSnapshot, Sequence, SpecStats
 from specserve.sampling_params import SamplingParams
+from specserve.structured_output import GrammarCompiler, cut_at_grammar
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.policy = DraftPolicy(AUTO_MAX_DRAFT_TOKENS)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)
         self.draft_gauges = DraftGauges()
         if self.spec_method != "none":
             self.time_forward(1)                                   # warm-up: first calls pack and allocate
@@ -131,6 +133,11 @@ class LLMEngine:
         if params.top_k >= vocab:
             params.top_k = 0                   # keeps every token: the same as off, and fits the sampler's int64
         seq = Sequence(prompt_token_ids, params, request_id)
+        if params.structured is not None:
+            try:
+                seq.grammar = self.grammars.matcher(params.structured)
+            except ValueError as e:
+                raise RequestError(str(e)) from e
         if seq.request_id in self.requests:
             raise RequestError(f"duplicate request id {seq.request_id!r}")
         seq.num_assistant_tokens = self.proposer.max_draft_tokens(params)
@@ -205,7 +212,7 @@ class LLMEngine:
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
         self.choose_draft_lengths(scheduled)
         start = time.perf_counter()
-        draft = self.propose(scheduled)
+        draft = cut_at_grammar(self.propose(scheduled), [s.seq for s in scheduled])
         drafted = time.perf_counter()
         items = self.prepare(scheduled, draft)
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
@@ -298,6 +305,8 @@ class LLMEngine:
                                            self.max_model_len)
             logprobs = verified.logprobs.get(i, [])[:len(appended)]     # of the tokens kept (a stop cuts the rest)
             seq.logprobs.extend(logprobs)
+            if seq.grammar is not None:
+                seq.grammar.commit(appended)
             self.block_manager.truncate(seq, seq.num_computed_tokens)
             if seq.finish_reason is not None:
                 self._finish(seq)

@@ -53,7 +53,7 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
         seqs = [scheduled[i].seq for i in where.seqs]
         trees = [draft.trees[i] for i in where.seqs]
         prefixes = [row_prefixes(draft.token_ids[i], tree, K) for i, tree in zip(where.seqs, trees)]
-        y, p = draw_target(process_batch(logits, seqs, prefixes, eos_ids), seqs, trees, K)
+        y, p = draw_target(process_batch(grammar_masked(logits, seqs, prefixes), seqs, prefixes, eos_ids), seqs, trees, K)
         chain = [b for b, tree in enumerate(trees) if tree is None]
         if chain:
             ids = [draft.token_ids[where.seqs[b]] for b in chain]
@@ -85,6 +85,19 @@ def committed_logprobs(logits: torch.Tensor, indices: list[int], seqs: list[Sequ
         rows = list(range(len(tokens[i]))) if path is None else [0] + [node + 1 for node in path[:len(tokens[i]) - 1]]
         out[i] = token_logprobs(logits[b, rows], tokens[i], seq.params.logprobs)
     return out
+
+
+def grammar_masked(logits: torch.Tensor, seqs: list[Sequence], prefixes: list[list[list[int]]]) -> torch.Tensor:
+    """logits [B * (K+1), V], with every token a request's grammar forbids after each row's tokens at -inf (a
+    copy; the raw logits still give the logprobs)."""
+    if all(seq.grammar is None for seq in seqs):
+        return logits
+    rows = logits.view(len(seqs), -1, logits.shape[-1]).clone()
+    for b, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            allowed = seq.grammar.allowed(prefixes[b]).to(rows.device)                  # [K+1, V]
+            rows[b] = rows[b].masked_fill(~allowed, float("-inf"))
+    return rows.view(logits.shape)
 
 
 def row_prefixes(tokens: list[int], tree: Tree | None, K: int) -> list[list[int]]:

@@ -116,6 +116,7 @@ class Sequence:
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
         self.logprobs: list = []              # TokenLogprob of each output token, when the request asks
+        self.grammar = None                   # structured_output.Grammar, advanced by the committed tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -7,13 +7,14 @@ taken where an integer is expected, as OpenAI and vLLM do."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from specserve.drafting.factory import all_options
 from specserve.drafting.options import NUM_ASSISTANT_TOKENS, spellings
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS
+from specserve.structured_output import StructuredOutput
 from specserve.sampling_params import (
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
 )
@@ -26,16 +27,24 @@ from specserve.server.request_fields import (  # noqa: F401 (re-exported: the se
 
 MAX_CHOICES = 16                      # n: choices per request
 
+
+class JsonSchemaFormat(OpenAIRequest):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
 # fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "prompt_logprobs": lambda v: v is None,
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
     "tool_choice": lambda v: v in (None, "none"),
     "tools": lambda v: not v,             # until tool calls exist: a 400, not a plain-text answer
     "functions": lambda v: not v,
@@ -59,6 +68,12 @@ class GenerationRequest(DraftingFields):
     min_tokens: Annotated[int, Field(ge=0), BeforeValidator(integral)] | None = None
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    # structured output: OpenAI's response_format, and vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -90,6 +105,26 @@ class GenerationRequest(DraftingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def structured_output(self) -> StructuredOutput | None:
+        given = {name: value for name, value in (
+            ("response_format", self.response_format if self.response_format and self.response_format.type != "text"
+             else None), ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar)) if value is not None}
+        if len(given) > 1:
+            raise APIError(400, f"give one structured output format, got {', '.join(given)}", param=next(iter(given)))
+        if not given:
+            return None
+        (name, value), = given.items()
+        if name == "response_format":
+            if value.type == "json_object":
+                return StructuredOutput(json_object=True)
+            if value.json_schema is None or value.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            return StructuredOutput(json=value.json_schema.schema_)
+        return {"guided_json": lambda: StructuredOutput(json=value), "guided_regex": lambda: StructuredOutput(regex=value),
+                "guided_choice": lambda: StructuredOutput(choice=tuple(value)),
+                "guided_grammar": lambda: StructuredOutput(grammar=value)}[name]()
 
     def token_bias(self) -> dict[int, float]:
         """logit_bias keyed by token id (OpenAI sends the ids as JSON object keys: strings)."""
@@ -144,6 +179,7 @@ class GenerationRequest(DraftingFields):
                 min_tokens=self.min_tokens or 0,
                 min_p=self.min_p or 0.0,
                 logit_bias=self.token_bias(),
+                structured=self.structured_output(),
                 num_assistant_tokens=self.num_assistant_tokens,
                 draft_options=self.draft_options(),
             )
