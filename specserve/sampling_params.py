@@ -39,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100 to 100)
     structured: StructuredOutput | None = None   # a grammar the output follows (structured_output.py)
     logprobs: int | None = None       # the target's logprob of each output token, and this many top ones; None: off
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (from the second on); None: off
     # speculative decoding
     num_assistant_tokens: int | str | None = None    # "auto": chosen per step (engine/draft_policy.py)
     draft_options: dict[str, int] = field(default_factory=dict)
@@ -60,8 +61,9 @@ class SamplingParams:
             raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {getattr(self, name)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -133,9 +133,40 @@ def test_completions_logprobs_and_offsets(server):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_bad_logprobs_requests_are_400s(server, body, message):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = httpx.post(f"{server.url}{path}", json={"model": "m", "max_tokens": 2, **body})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_prompt_logprobs_are_the_targets_and_skip_the_prefix_cache(method):
+    llm = LLM(str(DEMO), speculative_method=method, dtype="float32", max_num_batched_tokens=8)   # chunked prompts
+    engine, ids = llm.engine, llm.tokenizer.encode(PROMPTS[1])
+    for _ in range(2):                         # the second time the blocks are cached: not used for this request
+        seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.num_cached_tokens == 0
+        assert [lp.token_id for lp in seq.prompt_logprobs] == ids[1:] and all(len(lp.top) == 2 for lp in seq.prompt_logprobs)
+        with torch.inference_mode():
+            hidden, _ = engine.model(torch.tensor([ids]), torch.arange(len(ids)), None)
+            logp = torch.log_softmax(engine.model.compute_logits(hidden[0]).float(), dim=-1)
+        want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).view(-1)
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in seq.prompt_logprobs]), want, atol=1e-4, rtol=0)
+
+
+def test_echo_leads_with_the_prompt_and_its_logprobs(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    body = dict(model="m", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True, logprobs=2)
+    choice = client.completions.create(**body).choices[0]
+    plain = client.completions.create(**{**body, "echo": False}).choices[0]
+    assert choice.text == PROMPTS[0] + plain.text
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text and lp.tokens[-6:] == plain.logprobs.tokens
+    streamed = list(client.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    assert [o for c in streamed if c.choices for o in c.choices[0].logprobs.text_offset] == lp.text_offset

@@ -90,7 +90,8 @@ class BlockManager:
         blocks' K/V: blocks are registered only once all of them do.
         """
         assert not seq.block_table
-        hits = self._cached_prefix(seq)
+        # prompt logprobs need every prompt row computed: no prefix-cache hits for such a request (as vLLM)
+        hits = self._cached_prefix(seq) if seq.params.prompt_logprobs is None else []
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -290,6 +290,9 @@ class LLMEngine:
         now = time.perf_counter()
         for i, s in enumerate(scheduled):
             seq, new = s.seq, tokens[i]
+            if i in verified.prompt_logprobs:  # a recomputed prompt (preemption) reports each position once
+                done = seq.num_computed_tokens + 1
+                seq.prompt_logprobs.extend(verified.prompt_logprobs[i][len(seq.prompt_logprobs) + 1 - done:])
             if new is None:                    # a prompt chunk: nothing sampled yet
                 seq.num_computed_tokens += s.num_new
                 continue

@@ -28,6 +28,7 @@ class Verified:
     rows: list[list[int]]              # the rows of hidden whose tokens were committed, in token order
     paths: dict[int, list[int]]        # the accepted node path of each tree draft
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # requests that ask: per token
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # of this step's prompt tokens
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
     where = gather_rows(scheduled, draft)
     tokens: list[list[int] | None] = [None] * len(scheduled)
     paths: dict[int, list[int]] = {}
+    prompt = prompt_logprobs(scheduled, hidden, compute_logits, where.offsets)
     if where.seqs:
         K = max(len(r) for r in where.rows) - 1
         pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in where.rows], device=hidden.device)  # [B, K+1]
@@ -69,8 +71,27 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
                 i = where.seqs[b]
                 tokens[i], paths[i] = accept_tree_draft(y[b], tree, draft.token_ids[i])
         logprobs = committed_logprobs(logits.view(len(seqs), K + 1, -1), where.seqs, seqs, tokens, paths)
-        return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths, logprobs)
-    return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths)
+        return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths, logprobs, prompt)
+    return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths, prompt_logprobs=prompt)
+
+
+def prompt_logprobs(scheduled: list[ScheduledSeq], hidden: torch.Tensor, compute_logits, offsets: list[int]
+                    ) -> dict[int, list[TokenLogprob]]:
+    """For requests that ask: the logprobs of the prompt tokens this step's prompt chunks predict (the row of
+    position t gives token t + 1's; the prompt's last row predicts the first output token, reported there)."""
+    out = {}
+    for i, s in enumerate(scheduled):
+        seq = s.seq
+        if seq.params.prompt_logprobs is None or s.num_new <= 0:
+            continue
+        start, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+        positions = [p for p in range(start, start + s.num_new) if p + 1 < num_prompt]
+        if not positions:
+            continue
+        rows = torch.tensor([offsets[i] + p - start for p in positions], device=hidden.device)
+        out[i] = token_logprobs(compute_logits(hidden[rows]), [seq.token_ids[p + 1] for p in positions],
+                                seq.params.prompt_logprobs)
+    return out
 
 
 def committed_logprobs(logits: torch.Tensor, indices: list[int], seqs: list[Sequence], tokens: list[list[int] | None],

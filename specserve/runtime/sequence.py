@@ -76,6 +76,7 @@ class SeqSnapshot:
     arrival_time: float
     first_token_time: float | None
     logprobs: tuple = ()                     # TokenLogprob of each output token, when the request asks
+    prompt_logprobs: tuple = ()              # TokenLogprob of prompt tokens 1.., when the request asks
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,6 +117,7 @@ class Sequence:
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
         self.logprobs: list = []              # TokenLogprob of each output token, when the request asks
+        self.prompt_logprobs: list = []       # TokenLogprob of prompt tokens 1.. (token 0 has none), when asked
         self.grammar = None                   # structured_output.Grammar, advanced by the committed tokens
 
     def __len__(self) -> int:
@@ -143,4 +145,4 @@ class Sequence:
                          s.num_target_forwards, list(s.draft_lengths))
         return SeqSnapshot(self.seq_id, self.request_id, self.prompt_token_ids, self.num_output_tokens,
                            self.output_text, self.finish_reason, self.stop_reason, spec, self.arrival_time,
-                           self.first_token_time, tuple(self.logprobs))
+                           self.first_token_time, tuple(self.logprobs), tuple(self.prompt_logprobs))

@@ -206,7 +206,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
         body.check_supported()
         prompt = body.single_prompt()
         prompt_ids = await asyncio.to_thread(state.prompt_ids, prompt) if isinstance(prompt, str) else prompt
-        shown = dict(text_of=state.token_text, logprobs=body.logprobs is not None)
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(state.tokenizer.decode, prompt)
+        shown = dict(text_of=state.token_text, logprobs=body.logprobs is not None, echo=echo)
         return await generate(request, body, prompt_ids, request_id, COMPLETIONS_DEFAULT_MAX_TOKENS,
                               partial(CompletionResponse.chunk, request_id, model, **shown),
                               partial(CompletionResponse.of, request_id, model, **shown))

@@ -42,8 +42,6 @@ class ResponseFormat(OpenAIRequest):
 # fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
-    "prompt_logprobs": lambda v: v is None,
-    "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
     "tool_choice": lambda v: v in (None, "none"),
     "tools": lambda v: not v,             # until tool calls exist: a 400, not a plain-text answer
@@ -146,6 +144,10 @@ class GenerationRequest(DraftingFields):
         return None
 
     @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -173,6 +175,7 @@ class GenerationRequest(DraftingFields):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=self.requested_logprobs,
+                prompt_logprobs=self.requested_prompt_logprobs,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=first_set(self.repetition_penalty, 1.0),
@@ -242,6 +245,13 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(integral)] | None = None
+    echo: bool = False                    # the prompt leads the text, with its logprobs when logprobs is set
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(integral)] | None = None
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs if self.prompt_logprobs is not None else \
+            (self.logprobs if self.echo and self.logprobs is not None else None)
 
     @property
     def requested_logprobs(self) -> int | None:

@@ -75,17 +75,20 @@ class ChatLogprobs(BaseModel):
 class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
     @classmethod
-    def of(cls, logprobs, text_of: TokenText, offset: int = 0) -> CompletionLogprobs:
-        texts = [text_of.of(lp.token_id)[0] for lp in logprobs]
+    def of(cls, logprobs, text_of: TokenText, offset: int = 0, echo: SeqSnapshot | None = None) -> CompletionLogprobs:
+        """echo: the request's prompt goes first (its first token has no logprob: None, as OpenAI reports it)."""
+        first = [] if echo is None else [echo.prompt_token_ids[0]]
+        entries = ([] if echo is None else list(echo.prompt_logprobs)) + list(logprobs)
+        texts = [text_of.of(t)[0] for t in first] + [text_of.of(lp.token_id)[0] for lp in entries]
         offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-        top = [{text_of.of(t)[0]: v for t, v in lp.top} for lp in logprobs] if any(lp.top for lp in logprobs) \
-            else None
-        return cls(tokens=texts, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top, text_offset=offsets)
+        top = [{text_of.of(t)[0]: v for t, v in lp.top} for lp in entries] if any(lp.top for lp in entries) else None
+        return cls(tokens=texts, token_logprobs=[None] * len(first) + [lp.logprob for lp in entries],
+                   top_logprobs=None if top is None else [None] * len(first) + top, text_offset=offsets)
 
 
 class ChatChoice(BaseModel):
@@ -165,21 +168,27 @@ class CompletionResponse(BaseModel):
 
     @classmethod
     def of(cls, request_id: str, model: str, seqs: list[SeqSnapshot], text_of: TokenText | None = None,
-           logprobs: bool = False) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=seq.output_text, finish_reason=seq.finish_reason,
+           logprobs: bool = False, echo: str | None = None) -> CompletionResponse:
+        """echo: the prompt's text, which then leads each choice's text (and its logprobs)."""
+        choices = [CompletionChoice(index=i, text=(echo or "") + seq.output_text, finish_reason=seq.finish_reason,
                                     stop_reason=seq.stop_reason,
-                                    logprobs=CompletionLogprobs.of(seq.logprobs, text_of) if logprobs else None)
+                                    logprobs=CompletionLogprobs.of(seq.logprobs, text_of,
+                                                                   echo=seq if echo is not None else None)
+                                    if logprobs else None)
                    for i, seq in enumerate(seqs)]
         return cls(id=request_id, model=model, choices=choices, usage=Usage.from_seqs(seqs))
 
     @classmethod
     def chunk(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None,
-              text_of: TokenText | None = None, logprobs: bool = False):
+              text_of: TokenText | None = None, logprobs: bool = False, echo: str | None = None):
         choices = []
         if out is not None:
-            offset = len(out.seq.output_text) - len(out.new_text)        # where this chunk's text starts
-            lp = CompletionLogprobs.of(out.new_logprobs, text_of, offset) if logprobs else None
-            choices = [CompletionChoice(text=out.new_text, logprobs=lp, **finish_fields(out))]
+            first = out.seq.num_output_tokens == len(out.new_token_ids)     # echo the prompt with the first tokens
+            lead = echo if echo is not None and first else ""
+            offset = len(out.seq.output_text) - len(out.new_text) + (len(echo) if echo and not first else 0)
+            lp = CompletionLogprobs.of(out.new_logprobs, text_of, offset,
+                                       echo=out.seq if echo is not None and first else None) if logprobs else None
+            choices = [CompletionChoice(text=lead + out.new_text, logprobs=lp, **finish_fields(out))]
         return cls(id=request_id, model=model, choices=choices, usage=usage)
 
 
