@@ -237,8 +237,10 @@ def test_a_surrogate_pair_is_one_character(server):
 # ---- 6. what OpenAI or vLLM reject, and what they accept -------------------------------------------
 
 REJECTED = [
-    ("tools", CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ""),
-    ("tool_choice auto", CHAT, {"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice", ""),
+    ("a tool that is not a function", CHAT, {"messages": MESSAGES, "tools": [{"type": "retrieval"}]}, "tools.0.type",
+     "function"),
+    ("tool_choice required without tools", CHAT, {"messages": MESSAGES, "tool_choice": "required"}, None, "needs tools"),
+    ("functions (deprecated)", CHAT, {"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions", ""),
     ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0", "unknown role"),
     ("tool message without an id", CHAT, {"messages": [{"role": "tool", "content": "4"}]}, "messages.0", "tool_call_id"),
     ("content null", CHAT, {"messages": [{"role": "user", "content": None}]}, "messages.0", "content"),

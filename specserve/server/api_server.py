@@ -193,8 +193,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model, request_id = state.check_model(body.model), f"chatcmpl-{uuid.uuid4().hex}"
         body.check_supported()
-        prompt_ids = await asyncio.to_thread(state.chat_prompt_ids, body)
-        shown = dict(text_of=state.token_text, logprobs=body.logprobs)
+        tools = body.offered_tools()
+        prompt_ids = await asyncio.to_thread(state.chat_prompt_ids, body, tools)
+        shown = dict(text_of=state.token_text, logprobs=body.logprobs, tools=bool(tools))
         return await generate(request, body, prompt_ids, request_id, None,
                               partial(ChatCompletionChunk.of, request_id, model, **shown),
                               partial(ChatCompletionResponse.of, request_id, model, **shown),

@@ -15,6 +15,7 @@ from specserve.drafting.factory import all_options
 from specserve.drafting.options import NUM_ASSISTANT_TOKENS, spellings
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS
 from specserve.structured_output import StructuredOutput
+from specserve.server.tools import call_grammar, chosen_tools
 from specserve.sampling_params import (
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams,
 )
@@ -43,8 +44,6 @@ class ResponseFormat(OpenAIRequest):
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "tool_choice": lambda v: v in (None, "none"),
-    "tools": lambda v: not v,             # until tool calls exist: a 400, not a plain-text answer
     "functions": lambda v: not v,
 }
 
@@ -219,8 +218,23 @@ class ChatMessage(OpenAIRequest):
         return self
 
 
+class FunctionSpec(OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -231,7 +245,23 @@ class ChatCompletionRequest(GenerationRequest):
     def check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
         return self
+
+    def offered_tools(self) -> list[dict]:
+        """The tools the model may call (tool_choice applied); [] when none."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return chosen_tools(tools, self.tool_choice) if tools else []
+
+    def structured_output(self) -> StructuredOutput | None:
+        """tool_choice "required" or a named function: the reply is tool calls, by grammar."""
+        own = super().structured_output()
+        forced = self.tools and self.tool_choice not in (None, "none", "auto")
+        if forced and own is not None:
+            raise APIError(400, "tool_choice that forces a call cannot be combined with a response format",
+                           param="tool_choice")
+        return call_grammar(self.offered_tools(), self.parallel_tool_calls) if forced else own
 
     @property
     def requested_logprobs(self) -> int | None:

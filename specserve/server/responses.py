@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pydantic import BaseModel, Field
 
 from specserve.engine.llm_engine import StepOutput
 from specserve.runtime.sequence import SeqSnapshot, SpecStats
 from specserve.server.token_text import TokenText
+from specserve.server.tools import parse_calls, safe_prefix
 
 
 class Usage(BaseModel):
@@ -45,7 +47,8 @@ def now() -> int:
 
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -109,17 +112,21 @@ class ChatCompletionResponse(BaseModel):
 
     @classmethod
     def of(cls, request_id: str, model: str, seqs: list[SeqSnapshot], text_of: TokenText | None = None,
-           logprobs: bool = False) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=seq.output_text), finish_reason=seq.finish_reason,
-                              stop_reason=seq.stop_reason,
-                              logprobs=ChatLogprobs.of(seq.logprobs, text_of) if logprobs else None)
-                   for i, seq in enumerate(seqs)]
+           logprobs: bool = False, tools: bool = False) -> ChatCompletionResponse:
+        """tools: tools were offered, so <tool_call> blocks in the reply become tool_calls."""
+        choices = []
+        for i, seq in enumerate(seqs):
+            content, calls = parse_calls(seq.output_text) if tools else (seq.output_text, [])
+            choices.append(ChatChoice(index=i, message=ChatMessageOut(content=content, tool_calls=calls or None),
+                                      finish_reason="tool_calls" if calls else seq.finish_reason,
+                                      stop_reason=seq.stop_reason,
+                                      logprobs=ChatLogprobs.of(seq.logprobs, text_of) if logprobs else None))
         return cls(id=request_id, model=model, choices=choices, usage=Usage.from_seqs(seqs))
 
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]                 # {"role": "assistant", "content": ""} first, then {"content": ...}
+    delta: dict[str, Any]                 # {"role": "assistant", "content": ""} first, then {"content": ...}
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
@@ -135,12 +142,21 @@ class ChatCompletionChunk(BaseModel):
 
     @classmethod
     def of(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None,
-           text_of: TokenText | None = None, logprobs: bool = False):
-        """The chunk of one engine step's output, or (out None) the closing usage chunk."""
+           text_of: TokenText | None = None, logprobs: bool = False, tools: bool = False):
+        """The chunk of one engine step's output, or (out None) the closing usage chunk. With tools offered the
+        text of <tool_call> blocks is held back and sent, parsed, as tool_calls in the last chunk."""
         choices = []
         if out is not None:
             lp = ChatLogprobs.of(out.new_logprobs, text_of) if logprobs else None
-            choices = [ChatStreamChoice(delta={"content": out.new_text}, logprobs=lp, **finish_fields(out))]
+            delta, finish = {"content": out.new_text}, finish_fields(out)
+            if tools:
+                text = out.seq.output_text
+                before = text[:len(text) - len(out.new_text)]
+                delta = {"content": text[safe_prefix(before):safe_prefix(text)]}
+                if out.finished and (calls := parse_calls(text)[1]):
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                    finish["finish_reason"] = "tool_calls"
+            choices = [ChatStreamChoice(delta=delta, logprobs=lp, **finish)]
         return cls(id=request_id, model=model, choices=choices, usage=usage)
 
     @classmethod
