@@ -4,12 +4,9 @@ import httpx
 import openai
 import pytest
 
-from specserve.config import EngineConfig, demo_model_dir
-from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine
+from specserve.config import demo_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.server.api_server import build_app
 
 from test_server import LiveServer
 
@@ -57,9 +54,7 @@ def test_an_aborted_parent_lets_its_siblings_run():
 def server():
     # n-gram drafts are deterministic, so a seeded choice is exactly the same request sent alone (a sampling
     # drafter's q, and so which tokens it proposes, may differ in the last bits with the batch beside it)
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(DEMO), speculative_method="ngram")))
-    with LiveServer(build_app(engine, "m")) as live:
-        live.engine = engine
+    with LiveServer.of_engine(model=str(DEMO), speculative_method="ngram") as live:
         yield live
 
 

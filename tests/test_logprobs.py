@@ -5,12 +5,9 @@ import openai
 import pytest
 import torch
 
-from specserve.config import EngineConfig, default_model_dir, demo_model_dir
-from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine
+from specserve.config import default_model_dir, demo_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.server.api_server import build_app
 from specserve.server.token_text import TokenText
 from specserve.tokenizer import Tokenizer
 
@@ -95,8 +92,7 @@ def test_token_bytes_of_a_byte_level_tokenizer():
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(DEMO), speculative_method="eagle3")))
-    with LiveServer(build_app(engine, "m")) as live:
+    with LiveServer.of_engine(model=str(DEMO), speculative_method="eagle3") as live:
         yield live
 
 

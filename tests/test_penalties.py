@@ -5,15 +5,12 @@ import httpx
 import pytest
 import torch
 
-from specserve.config import EngineConfig, demo_model_dir
-from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine
+from specserve.config import demo_model_dir
 from specserve.layers.logits_processors import process_rows
 from specserve.layers.sampler import compute_probs
 from specserve.llm import LLM
 from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.sampling_params import SamplingParams
-from specserve.server.api_server import build_app
 
 from stats import assert_samples_from
 from test_server import LiveServer
@@ -102,8 +99,7 @@ def test_sampled_with_penalties_has_the_target_distribution(damped_pair):
 
 
 def test_server_takes_the_fields_and_checks_them():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(DEMO), speculative_method="ngram")))
-    with LiveServer(build_app(engine, "m")) as live:
+    with LiveServer.of_engine(model=str(DEMO), speculative_method="ngram") as live:
         url = f"{live.url}/v1/completions"
         body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
         ok = httpx.post(url, json={**body, "presence_penalty": 1.0, "frequency_penalty": -0.5, "repetition_penalty": 1.2,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -48,6 +49,15 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+    @classmethod
+    @contextlib.contextmanager
+    def of_engine(cls, **config):
+        """A live server over a fresh engine (EngineConfig fields), its AsyncEngine as .engine."""
+        engine = AsyncEngine(LLMEngine(EngineConfig(**config)))
+        with cls(build_app(engine, "m")) as live:
+            live.engine = engine
+            yield live
 
 
 @pytest.fixture(scope="module")

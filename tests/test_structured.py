@@ -8,14 +8,11 @@ import openai
 import pydantic
 import pytest
 
-from specserve.config import EngineConfig, demo_model_dir
+from specserve.config import demo_model_dir
 from specserve.drafting.proposer import Draft
 from specserve.drafting.tree import Tree
-from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine, RequestError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.server.api_server import build_app
 from specserve.structured_output import GrammarCompiler, StructuredOutput, cut_at_grammar
 from specserve.runtime.sequence import Sequence
 from specserve.tokenizer import Tokenizer
@@ -95,8 +92,7 @@ def test_drafts_are_cut_at_the_grammar():
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(DEMO), speculative_method="eagle3")))
-    with LiveServer(build_app(engine, "m")) as live:
+    with LiveServer.of_engine(model=str(DEMO), speculative_method="eagle3") as live:
         yield live
 
 

@@ -6,12 +6,9 @@ import httpx
 import openai
 import pytest
 
-from specserve.config import EngineConfig, demo_model_dir
-from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine
+from specserve.config import demo_model_dir
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.server.api_server import build_app
 from specserve.server.tools import call_grammar, parse_calls, render_messages, safe_prefix
 
 from test_server import LiveServer
@@ -58,8 +55,7 @@ def test_forced_calls_follow_the_grammar_and_equal_plain_decoding(method):
 
 @pytest.fixture(scope="module")
 def client():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(DEMO), speculative_method="eagle3")))
-    with LiveServer(build_app(engine, "m")) as live:
+    with LiveServer.of_engine(model=str(DEMO), speculative_method="eagle3") as live:
         yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0), live.url
 
 
