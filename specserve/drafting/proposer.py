@@ -125,6 +125,7 @@ def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: 
     active = list(range(B))
     for step in range(K):
         logits = step_logits(step, active, drafts)
+        logits = grammar_constrained(logits, [seqs[i] for i in active], [drafts[i] for i in active])
         # greedy rows in a batch with sampled ones get a one-hot q
         tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None,
                                       [drafts[i] for i in active])
@@ -140,6 +141,20 @@ def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: 
         if not active:
             break
     return Draft(token_ids=drafts, probs=probs)
+
+
+def grammar_constrained(logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
+    """logits [B, V] of the next draft token, without what a request's grammar forbids after its draft so far: a
+    drafter that follows the grammar proposes tokens verification can accept."""
+    if all(seq.grammar is None for seq in seqs):
+        return logits
+    logits = logits.clone()
+    for b, (seq, tokens) in enumerate(zip(seqs, drafted)):
+        if seq.grammar is not None:
+            allowed = seq.grammar.allowed([tokens])[0].to(logits.device)
+            width = min(allowed.shape[0], logits.shape[1])
+            logits[b, :width] = logits[b, :width].masked_fill(~allowed[:width], float("-inf"))
+    return logits
 
 
 def own_token_probability(logits: torch.Tensor, tokens: list[int], q: torch.Tensor | None, greedy: list[bool]
