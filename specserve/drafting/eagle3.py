@@ -213,6 +213,8 @@ class Eagle3Proposer(Proposer):
         level = 1
         while True:
             logp = torch.log_softmax(self.head.draft_logits(hidden).float(), dim=-1)                # [m, Vd]
+            if any(seqs[i].grammar is not None for i in owners):
+                logp = self._follow_grammar(logp, seqs, trees, owners, parents)
             width = min(max(trees[i].branching for i in owners), logp.shape[-1])
             top = logp.topk(width, dim=-1)
             tokens = self.head.target_ids(top.indices).tolist()
@@ -227,6 +229,24 @@ class Eagle3Proposer(Proposer):
             hidden = self._feed(seqs, trees, expand, tables, level)
             owners, parents = [i for i, _ in expand], [j for _, j in expand]
             level += 1
+
+    def _follow_grammar(self, logp: torch.Tensor, seqs: list[Sequence], trees: dict[int, GrowingTree],
+                        owners: list[int], parents: list[int]) -> torch.Tensor:
+        """logp [m, Vd] without the children a request's grammar forbids after their parent's path: the tree
+        grows only acceptable nodes."""
+        target = self.head.target_ids(torch.arange(logp.shape[-1], device=logp.device)).cpu()     # [Vd]
+        logp = logp.clone()
+        for r, (i, parent) in enumerate(zip(owners, parents)):
+            grammar, tree = seqs[i].grammar, trees[i]
+            if grammar is None:
+                continue
+            path, node = [], parent
+            while node >= 0:
+                path.append(tree.tokens[node])
+                node = tree.parents[node]
+            allowed = grammar.allowed([path[::-1]])[0][target].to(logp.device)
+            logp[r] = logp[r].masked_fill(~allowed, float("-inf"))
+        return logp
 
     def _feed(self, seqs: list[Sequence], trees: dict[int, GrowingTree], expand: list[tuple[int, int]],
               tables: dict[int, list[int]], level: int) -> torch.Tensor:
