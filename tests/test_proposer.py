@@ -1,4 +1,5 @@
 """Pieces every drafter shares (drafting/proposer.py)."""
+import pytest
 import torch
 
 from specserve.runtime.sequence import Sequence
@@ -30,7 +31,9 @@ def test_sampled_drafts_use_the_draft_stream_at_their_position():
 
 
 def test_sampling_tensors_repeat_each_request():
-    t, k, p = sampling_tensors([SamplingParams(temperature=0.5, top_k=4, top_p=0.9), SamplingParams(temperature=0)], 2)
+    t, k, p, m = sampling_tensors([SamplingParams(temperature=0.5, top_k=4, top_p=0.9, min_p=0.1),
+                                  SamplingParams(temperature=0)], 2)
+    assert m.tolist() == pytest.approx([0.1, 0.1, 0.0, 0.0])
     assert t.tolist() == [0.5, 0.5, 0.0, 0.0] and k.tolist() == [4, 4, 0, 0]
     assert torch.allclose(p, torch.tensor([0.9, 0.9, 1.0, 1.0]))
 

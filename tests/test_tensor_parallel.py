@@ -149,3 +149,39 @@ def test_worker_death_is_a_503_and_the_server_exits(qwen3_pair):
         proc.kill()
     assert proc.returncode == 1, out
     assert "exited with code -9" in out and "exiting with status 1" in out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_launch_serves_on_rank_0(tmp_path):
+    """The multi-node path on one node: torchrun starts both ranks (c10d rendezvous), rank 0 serves HTTP and
+    answers with the tokens of one process."""
+    demo = demo_model_dir()
+    want = LLM(str(demo), dtype="float32", speculative_method="none", kv_cache_memory_gb=0.05).generate(
+        [PROMPTS[0]], greedy(12))[0].outputs[0].text
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "specserve-test",
+         "-m", "specserve.server.cli", "serve", str(demo), "--tensor-parallel-size", "2", "--port", str(port),
+         "--speculative-method", "none", "--dtype", "float32", "--kv-cache-memory-gb", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -198,3 +198,19 @@ class DraftPolicy:
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.idle_steps.pop(seq_id, None)
+
+
+def choose_draft_lengths(policy: DraftPolicy, scheduled: list) -> None:
+    """The "auto" sequences' num_draft_tokens in a step (engine/scheduler.py ScheduledSeq; the scheduler reserved
+    their longest): the policy's choice for the whole step."""
+    auto = [s for s in scheduled if s.num_draft_tokens > 0 and s.seq.params.auto_draft]
+    if not auto:
+        return
+    decoding = [s for s in scheduled if s.num_new == 1]
+    fixed_rows = sum(1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding)
+    prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
+    num_sampling = sum(s.completes_prompt for s in scheduled)
+    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens) for s in auto], fixed_rows, num_sampling,
+                            prompt_rows)
+    for s, k in zip(auto, lengths):
+        s.num_draft_tokens = k

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,8 +15,8 @@ from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.logprobs import TokenLogprob
-from specserve.engine.draft_policy import Candidate, DraftGauges, DraftPolicy
+from specserve.engine.draft_policy import DraftGauges, DraftPolicy, choose_draft_lengths
+from specserve.engine.outputs import RequestError, StepOutput  # noqa: F401 (re-exported)
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
@@ -24,28 +24,12 @@ from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
 from specserve.runtime.device import resolve_device, resolve_dtype, set_cpu_threads  # noqa: F401 (re-exported)
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
-from specserve.runtime.sequence import SeqSnapshot, Sequence, SpecStats
+from specserve.runtime.sequence import Sequence, SpecStats
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output import GrammarCompiler, cut_at_grammar
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (bad settings, a prompt that can never fit)."""
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one engine step produced for one request."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    seq: SeqSnapshot                      # the request's state after this step
-    error: str | None = None              # set when the request's step failed: it finished without its tokens
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)    # of new_token_ids, when the request asks
 
 
 class LLMEngine:
@@ -210,7 +194,7 @@ class LLMEngine:
         return outputs
 
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
-        self.choose_draft_lengths(scheduled)
+        choose_draft_lengths(self.policy, scheduled)
         start = time.perf_counter()
         draft = cut_at_grammar(self.propose(scheduled), [s.seq for s in scheduled])
         drafted = time.perf_counter()
@@ -230,21 +214,6 @@ class LLMEngine:
             if s.completes_prompt and s.seq.request_id in self.parked:   # its prompt's blocks are registered now
                 self._unpark(s.seq.request_id)
         return outputs
-
-    def choose_draft_lengths(self, scheduled: list[ScheduledSeq]) -> None:
-        """The "auto" sequences' num_draft_tokens (the scheduler reserved their longest): the policy's choice
-        for the whole step (engine/draft_policy.py)."""
-        auto = [s for s in scheduled if s.num_draft_tokens > 0 and s.seq.params.auto_draft]
-        if not auto:
-            return
-        decoding = [s for s in scheduled if s.num_new == 1]
-        fixed_rows = sum(1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding)
-        prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
-        num_sampling = sum(s.completes_prompt for s in scheduled)
-        lengths = self.policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens) for s in auto], fixed_rows,
-                                     num_sampling, prompt_rows)
-        for s, k in zip(auto, lengths):
-            s.num_draft_tokens = k
 
     def time_forward(self, rows: int) -> float:
         """Seconds of one target forward and its logits at `rows` rows, decode-shaped (one token per sequence, as

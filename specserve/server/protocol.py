@@ -22,23 +22,12 @@ from specserve.sampling_params import (
 from specserve.server.errors import APIError
 from specserve.server.request_fields import (  # noqa: F401 (re-exported: the server imports them from here)
     LONE_SURROGATE, DraftingFields, Int, NonNegativeInt, OpenAIRequest, PositiveInt, SamplingDefaults, StreamOptions,
-    TokenIds, check_text, integral, integral_ids,
+    FunctionSpec, JsonSchemaFormat, ResponseFormat, TokenIds, ToolSpec, check_text, integral, integral_ids,
 )
 
 
 MAX_CHOICES = 16                      # n: choices per request
 
-
-class JsonSchemaFormat(OpenAIRequest):
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseFormat(OpenAIRequest):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 # fields other OpenAI servers take that we cannot honour: name -> the values that are harmless
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -216,18 +205,6 @@ class ChatMessage(OpenAIRequest):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"only assistant messages carry tool_calls, not {self.role} ones")
         return self
-
-
-class FunctionSpec(OpenAIRequest):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolSpec(OpenAIRequest):
-    type: Literal["function"]
-    function: FunctionSpec
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model
@@ -87,3 +87,27 @@ def option_field(option: Option) -> tuple[Any, None]:
 # their combination when the engine admits the request
 DraftingFields = create_model("DraftingFields", __base__=OpenAIRequest,
                               **{name: option_field(o) for name, o in spellings(all_options()).items()})
+
+
+class JsonSchemaFormat(OpenAIRequest):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionSpec(OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionSpec
