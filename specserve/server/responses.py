@@ -144,7 +144,7 @@ class ChatCompletionChunk(BaseModel):
     def of(cls, request_id: str, model: str, out: StepOutput | None, usage: Usage | None = None,
            text_of: TokenText | None = None, logprobs: bool = False, tools: bool = False):
         """The chunk of one engine step's output, or (out None) the closing usage chunk. With tools offered the
-        text of <tool_call> blocks is held back and sent, parsed, as tool_calls in the last chunk."""
+        text of <tool_call> blocks is held back; each block is sent, parsed, as a tool_calls delta once it closes."""
         choices = []
         if out is not None:
             lp = ChatLogprobs.of(out.new_logprobs, text_of) if logprobs else None
@@ -153,8 +153,10 @@ class ChatCompletionChunk(BaseModel):
                 text = out.seq.output_text
                 before = text[:len(text) - len(out.new_text)]
                 delta = {"content": text[safe_prefix(before):safe_prefix(text)]}
-                if out.finished and (calls := parse_calls(text)[1]):
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                done, calls = len(parse_calls(before)[1]), parse_calls(text)[1]
+                if len(calls) > done:          # each call as soon as its block closes
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls) if i >= done]
+                if out.finished and calls:
                     finish["finish_reason"] = "tool_calls"
             choices = [ChatStreamChoice(delta=delta, logprobs=lp, **finish)]
         return cls(id=request_id, model=model, choices=choices, usage=usage)
