@@ -115,23 +115,33 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_worker_death_is_a_503_and_the_server_exits(qwen3_pair):
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> None:
+    """Until the server process answers /health (it must not exit first)."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+
+
+def test_worker_death_is_a_503_and_the_server_exits(qwen3_pair):
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specserve.server.cli", "serve", str(qwen3_pair), "--port",
                              str(port), "--kv-cache-memory-gb", "0.01", "--speculative-method", "none",
                              "--dtype", "float32", "--tensor-parallel-size", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 90
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_healthy(proc, port, 90)
         [worker] = children(proc.pid)
         result = {}
         request = threading.Thread(target=lambda: result.update(r=httpx.post(
@@ -151,12 +161,6 @@ def test_worker_death_is_a_503_and_the_server_exits(qwen3_pair):
     assert "exited with code -9" in out and "exiting with status 1" in out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_launch_serves_on_rank_0(tmp_path):
     """The multi-node path on one node: torchrun starts both ranks (c10d rendezvous), rank 0 serves HTTP and
     answers with the tokens of one process."""
@@ -171,14 +175,7 @@ def test_torchrun_launch_serves_on_rank_0(tmp_path):
          "--speculative-method", "none", "--dtype", "float32", "--kv-cache-memory-gb", "0.05"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(proc, port, 120)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
             "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

@@ -12,7 +12,7 @@ import torch
 
 from specserve.engine.logprobs import TokenLogprob, token_logprobs
 from specserve.engine.scheduler import ScheduledSeq
-from specserve.layers.logits_processors import process_batch
+from specserve.layers.logits_processors import has_processing, process_batch
 from specserve.runtime.sequence import Sequence
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
 from specserve.sampling_params import sampling_tensors
@@ -54,8 +54,12 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
         logits = compute_logits(hidden[pad.view(-1)])                                  # [B*(K+1), V]
         seqs = [scheduled[i].seq for i in where.seqs]
         trees = [draft.trees[i] for i in where.seqs]
-        prefixes = [row_prefixes(draft.token_ids[i], tree, K) for i, tree in zip(where.seqs, trees)]
-        y, p = draw_target(process_batch(grammar_masked(logits, seqs, prefixes), seqs, prefixes, eos_ids), seqs, trees, K)
+        if any(has_processing(seq.params) or seq.grammar is not None for seq in seqs):
+            prefixes = [row_prefixes(draft.token_ids[i], tree, K) for i, tree in zip(where.seqs, trees)]
+            logits_p = process_batch(grammar_masked(logits, seqs, prefixes), seqs, prefixes, eos_ids)
+        else:                                   # the common case: raw logits, no per-row token lists built
+            logits_p = logits
+        y, p = draw_target(logits_p, seqs, trees, K)
         chain = [b for b, tree in enumerate(trees) if tree is None]
         if chain:
             ids = [draft.token_ids[where.seqs[b]] for b in chain]
