@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -180,6 +181,26 @@ def test_drafts_equal_a_cache_free_recomputation(trained):
     mtp, target = llm.engine.proposer.mtp, llm.engine.model
     for tokens, draft in seen[::3]:
         assert draft == reference_draft(mtp, target, tokens, len(draft))
+
+
+def test_drafts_exact_when_drafting_pauses_and_layers_run_once_per_block(trained):
+    """Steps that draft nothing leave the target's states pending: the layers catch up in one forward when
+    drafting resumes, so the drafts still equal a cache-free recomputation; a request that never drafts
+    runs the layers once per block, not once per token."""
+    llm = LLM(str(trained), kv_cache_memory_gb=0.01, block_size=4)
+    rng = np.random.default_rng(1)
+    llm.engine.policy.choose = lambda candidates, *_: [int(rng.choice([0, 0, 0, c.max_tokens])) for c in candidates]
+    seen = record_drafts(llm)
+    llm.generate(PROMPTS, greedy(24))
+    assert len(seen) > 4
+    mtp, target = llm.engine.proposer.mtp, llm.engine.model
+    for tokens, draft in seen[::2]:
+        assert draft == reference_draft(mtp, target, tokens, len(draft))
+    proposer, calls = llm.engine.proposer, []
+    catch_up = proposer._catch_up
+    proposer._catch_up = lambda work: (calls.append(len(work)) if work else None, catch_up(work))
+    llm.generate(PROMPTS[0], greedy(24, num_assistant_tokens=0))
+    assert 1 <= sum(calls) <= 24 // 4 + 2
 
 
 def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):

@@ -9,12 +9,17 @@ last committed slot that the layers read next. The tails at the last slot of eve
 too (`block_tails`), which is what lets a prefix-cache hit resume the layers exactly where a miss would.
 Where its block exists, the catch-up also runs the last token's slot, so the first draft step needs no
 forward of its own (`root`).
+
+A sequence that did not draft in a step does not catch up after it: the target's hidden states of its new
+tokens wait in `pending` until it drafts again (the catch-up then runs them in one forward) or a block's
+worth has gathered. With "auto" choosing 0 for most steps, or a request that drafts nothing, the layers cost
+one chunk forward per block instead of a forward per token.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +41,12 @@ class MTPState:
     tails: torch.Tensor        # [N, H] at slot num_computed - 1: the target's hidden state, then layers 0..N-2's outputs
     root: torch.Tensor | None = None   # [N, H] each layer's output at slot num_computed (the last token), when
                                        # the catch-up could run that slot too: drafting starts from it
+    pending: list[torch.Tensor] = field(default_factory=list)  # [n, H] target states of the committed slots
+                                       # from num_computed on, not yet run through the layers
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(p) for p in self.pending)
 
 
 class MTPProposer(Proposer):
@@ -55,6 +66,7 @@ class MTPProposer(Proposer):
                                   self.dtype, self.device)
         self.block_tails = torch.zeros(ctx.num_blocks, N, c.hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, MTPState] = {}
+        self.drafted: set[int] = set()     # the sequences the current step drafts for
         logger.info("drafting with the %d MTP layer(s) in %s", N, source)
         if isinstance(k := ctx.options["num_assistant_tokens"], int) and k > N:
             logger.warning("num_assistant_tokens=%d but %d MTP layer(s): draft steps %d..%d reuse the last layer, "
@@ -73,10 +85,10 @@ class MTPProposer(Proposer):
 
     def _state(self, seq: Sequence) -> MTPState:
         """The sequence's state, restarted where the engine reset its count (a new sequence, a preemption,
-        a prefix-cache hit: the hit's last block holds the tails)."""
+        a prefix-cache hit: the hit's last block holds the tails), or holds more than the target computed."""
         state = self.states.get(seq.seq_id)
         start = seq.num_drafter_computed
-        if state is None or state.num_computed != start:
+        if state is None or state.num_computed != start or start + state.num_pending > seq.num_computed_tokens:
             if start == 0:
                 tails = self.block_tails.new_zeros(self.block_tails.shape[1:])
             else:
@@ -91,35 +103,44 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
-        work: list[tuple[Sequence, MTPState, list[int]]] = []
+        """Take the step's committed hidden states; catch up now for the sequences that drafted in it (they
+        likely draft next step, from the root this computes) or have a block's worth waiting."""
+        work: list[tuple[Sequence, MTPState]] = []
         for seq, rows in zip(seqs, hidden.rows):
             if seq.is_finished or not rows:
                 continue
             state = self._state(seq)
-            first = seq.num_computed_tokens - len(rows)     # slot of the first committed row
-            if first > state.num_computed:
+            have = state.num_computed + state.num_pending       # slots whose target state is held
+            first = seq.num_computed_tokens - len(rows)         # slot of the first committed row
+            if first > have:
                 raise RuntimeError(f"MTP cache of sequence {seq.seq_id} fell behind: it holds "
-                                   f"{state.num_computed} slots, the target's rows start at {first}")
-            rows = rows[state.num_computed - first:]
-            if rows:
-                work.append((seq, state, rows))
+                                   f"{have} slots, the target's rows start at {first}")
+            if rows := rows[have - first:]:
+                state.pending.append(hidden.final[rows].clone())
+            if state.pending and (seq.seq_id in self.drafted or state.num_pending >= self.block_size):
+                work.append((seq, state))
+        self.drafted = set()
+        self._catch_up(work)
+
+    def _catch_up(self, work: list[tuple[Sequence, MTPState]]) -> None:
+        """Run every layer over each sequence's pending slots (and its last token's, where its block exists)."""
         if not work:
             return
         # the last token's slot too, when the sequence decodes and its block exists: the first draft step is
         # then done here, in the same forward (the slot is recomputed with the committed ones next time)
         roots = [len(seq) == seq.num_computed_tokens + 1 and len(seq) <= len(seq.block_table) * self.block_size
-                 for seq, _, _ in work]
+                 for seq, _ in work]
         items = [ForwardItem(seq.block_table, state.num_computed,
                              seq.token_ids[state.num_computed:seq.num_computed_tokens + root])
-                 for (seq, state, _), root in zip(work, roots)]
+                 for (seq, state), root in zip(work, roots)]
         input_ids, positions, ctx = self.runner.prepare(items)
         embeds = self._embed(input_ids, positions)
         # sources[i]: what the current layer reads for sequence i, at slots num_computed - 1 .. end - 1
-        sources = [torch.cat([state.tails[:1], hidden.final[rows]]) for _, state, rows in work]
+        sources = [torch.cat([state.tails[:1], *state.pending]) for _, state in work]
         new_tails: list[list[torch.Tensor]] = [[] for _ in work]
         root_outputs: list[list[torch.Tensor]] = [[] for _ in work]
         for layer in range(self.mtp.num_layers):
-            for i, (seq, state, _) in enumerate(work):
+            for i, (seq, state) in enumerate(work):
                 new_tails[i].append(sources[i][-1])
                 self._keep_block_tails(seq, state.num_computed, layer, sources[i])
             reads = [src if root else src[:-1] for src, root in zip(sources, roots)]
@@ -129,11 +150,12 @@ class MTPProposer(Proposer):
                     root_outputs[i].append(out[i][-1])
             if layer + 1 < self.mtp.num_layers:
                 sources = [torch.cat([state.tails[layer + 1:layer + 2], o[:len(src) - 1]])
-                           for (_, state, _), o, src in zip(work, out, sources)]
-        for (seq, state, _), tails, root in zip(work, new_tails, root_outputs):
+                           for (_, state), o, src in zip(work, out, sources)]
+        for (seq, state), tails, root in zip(work, new_tails, root_outputs):
             state.num_computed = seq.num_drafter_computed = seq.num_computed_tokens
             state.tails = torch.stack(tails)
             state.root = torch.stack(root) if root else None
+            state.pending = []
 
     def _keep_block_tails(self, seq: Sequence, start: int, layer: int, source: torch.Tensor) -> None:
         """source holds slots start - 1 .. start + n - 1; store those that end a block."""
@@ -145,6 +167,8 @@ class MTPProposer(Proposer):
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         N = self.mtp.num_layers
         states = [self._state(seq) for seq in seqs]
+        self._catch_up([(seq, st) for seq, st in zip(seqs, states) if st.pending])
+        self.drafted = {seq.seq_id for seq in seqs}
         assert all(st.num_computed == len(seq) - 1 for st, seq in zip(states, seqs)), "drafting sequences are caught up"
         outputs = [st.tails[:0] for st in states]          # each sequence's rows of the previous step
         last: list[torch.Tensor] = [st.tails[0] for st in states]   # its last output
