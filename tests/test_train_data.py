@@ -114,6 +114,29 @@ def test_trainers_run_on_recorded_data(recorded, tmp_path):
         assert summary["minutes"] > 0 and summary["answer_tokens"] > 0
 
 
+def test_training_continues_from_a_saved_drafter(recorded, tmp_path):
+    """--init: the draft model and MTP layers start from saved weights (the saved shape, not the flags), and
+    the summary keeps the earlier run's."""
+    target_dir = demo_model_dir()
+    first = DraftTrainConfig(target=target_dir, data=recorded.out, out=tmp_path / "d1", hidden_size=64, num_heads=1,
+                             num_kv_heads=1, intermediate_size=128, max_steps=6, batch_size=2, seq_len=32, lr=1e-2)
+    before = run_draft_training(first)
+    after = run_draft_training(DraftTrainConfig(target=target_dir, data=recorded.out, out=tmp_path / "d2",
+                                                init=tmp_path / "d1", hidden_size=32, max_steps=2, batch_size=2,
+                                                seq_len=32, seed=1))
+    assert load_model(tmp_path / "d2", torch.float32).config.hidden_size == 64
+    assert after["continued_from"]["steps"] == 6
+    assert after["first_loss"] < before["first_loss"]
+    run_mtp_training(MTPTrainConfig(target=target_dir, out=tmp_path / "m1", data=recorded.out, num_layers=2,
+                                    max_steps=2, batch_size=2, seq_len=32))
+    mtp = run_mtp_training(MTPTrainConfig(target=target_dir, out=tmp_path / "m2", data=recorded.out,
+                                          init=tmp_path / "m1", max_steps=1, batch_size=2, seq_len=32, lr=0.0))
+    assert mtp["num_layers"] == 2 and mtp["continued_from"]["steps"] == 2
+    target_config = load_model(target_dir, torch.float32).config
+    saved = lambda d: load_mtp(d, target_config).state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(saved(tmp_path / "m1").values(), saved(tmp_path / "m2").values()))
+
+
 def test_draft_distillation_loss_is_the_topk_cross_entropy(recorded):
     from specserve.train.draft import distill_loss, draft_config, new_draft
     data = load_conversations(recorded.out)

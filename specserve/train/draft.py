@@ -25,7 +25,7 @@ from specserve.models.loader import save_safetensors, unpacked_state_dict
 from specserve.models.registry import load_model, parse_dtype
 from specserve.train.data import Conversations, load_conversations
 from specserve.train.lm import DTYPE_NAMES, num_params
-from specserve.train.trainer import StageConfig, train_stage
+from specserve.train.trainer import StageConfig, continued_from, train_stage
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -50,6 +50,7 @@ class DraftTrainConfig:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     resume: bool = False
+    init: Path | None = None              # a saved draft model to continue training (its shape, not the flags')
 
 
 def draft_config(cfg: DraftTrainConfig, target: ModelConfig) -> dict:
@@ -118,8 +119,12 @@ def run_draft_training(cfg: DraftTrainConfig) -> dict:
     target_config = ModelConfig.from_pretrained(cfg.target)
     target = load_model(cfg.target, torch.float32, "cpu", target_config)
     data = load_conversations(cfg.data)
-    config = draft_config(cfg, target_config)
-    draft = new_draft(config, target, cfg.seed)
+    if cfg.init is None:
+        config = draft_config(cfg, target_config)
+        draft = new_draft(config, target, cfg.seed)
+    else:
+        config = json.loads((cfg.init / "config.json").read_text())
+        draft = load_model(cfg.init, torch.float32, "cpu").requires_grad_(True)
     del target
     stage = StageConfig("draft", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     rows = torch.arange(data.num_tokens, dtype=torch.int32)
@@ -134,6 +139,7 @@ def run_draft_training(cfg: DraftTrainConfig) -> dict:
                "first_loss": sum(state.losses[:10]) / max(1, len(state.losses[:10])),
                "final_loss": sum(state.losses[-50:]) / max(1, len(state.losses[-50:])),
                "lr": cfg.lr, "prompt_weight": cfg.prompt_weight, "seed": cfg.seed}
+    summary |= continued_from(cfg.init)
     (cfg.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -155,6 +161,8 @@ def add_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/.ckpt")
+    p.add_argument("--init", type=Path, default=None,
+                   help="continue training the draft model saved in this folder (its shape replaces the size flags)")
     p.set_defaults(func=run_draft_command)
 
 
@@ -166,5 +174,5 @@ def run_draft_command(args: argparse.Namespace) -> None:
                            head_dim=args.head_dim, minutes=args.minutes, max_steps=args.max_steps,
                            batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                            prompt_weight=args.prompt_weight, dtype=parse_dtype(args.dtype), seed=args.seed,
-                           resume=args.resume)
+                           resume=args.resume, init=args.init)
     print(json.dumps(run_draft_training(cfg), indent=2))

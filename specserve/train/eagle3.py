@@ -30,7 +30,7 @@ from specserve.train.checkpoint import load_state, save_state
 from specserve.train.corpus import Corpus, default_sources, read_source
 from specserve.train.data import Conversations, load_conversations, segment_ids
 from specserve.train.demo import chat_texts
-from specserve.train.trainer import StageConfig, sample_batch, train_stage
+from specserve.train.trainer import StageConfig, continued_from, sample_batch, train_stage
 
 
 @dataclass(slots=True)
@@ -109,8 +109,7 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
                     "token_positions_trained": state.step * cfg.batch_size * cfg.seq_len}
         coverage = (draft_index[data.topk_ids[data.trainable, 0]] >= 0).float().mean().item()
         summary["draft_vocab_coverage_of_answers"] = coverage
-    if cfg.init is not None and (cfg.init / "training_summary.json").exists():
-        summary["continued_from"] = json.loads((cfg.init / "training_summary.json").read_text())
+    summary |= continued_from(cfg.init)
     (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -24,7 +24,7 @@ from specserve.train import evaluate
 from specserve.train.corpus import Corpus, build_corpus, default_sources, split_file
 from specserve.train.data import Conversations, load_conversations
 from specserve.train.demo import chat_texts, encode_documents
-from specserve.train.trainer import StageConfig, train_stage
+from specserve.train.trainer import StageConfig, continued_from, train_stage
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class MTPTrainConfig:
     resume: bool = False
     data: Path | None = None              # recorded conversations (`specserve train data`) instead of a corpus
     prompt_weight: float = 0.3            # with data: loss weight of a prompt position (answer positions: 1)
+    init: Path | None = None              # saved MTP layers to continue training (their number, not --layers)
 
 
 def init_mtp(target: torch.nn.Module, num_layers: int, seed: int) -> MultiTokenPredictor:
@@ -146,7 +147,11 @@ def training_tokens(cfg: MTPTrainConfig, tokenizer: Tokenizer) -> tuple[torch.Te
 def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     out_dir = cfg.out or cfg.target
     target = load_model(cfg.target, torch.float32).requires_grad_(False)
-    mtp = init_mtp(target, cfg.num_layers, cfg.seed)
+    if cfg.init is None:
+        mtp = init_mtp(target, cfg.num_layers, cfg.seed)
+    else:
+        mtp = load_mtp(cfg.init, target.config).requires_grad_(True).train()
+        cfg.num_layers = mtp.num_layers
     stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     if cfg.data is None:
         tokens, heldout = training_tokens(cfg, Tokenizer.from_file(str(cfg.target / "tokenizer.json")))
@@ -168,6 +173,7 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
                "first_loss": _mean(state.losses[:10]), "last_loss": _mean(state.losses[-50:])}
     if cfg.data is not None:
         summary |= {"data": str(cfg.data), "answer_tokens": int(data.trainable.sum()), "prompt_weight": cfg.prompt_weight}
+    summary |= continued_from(cfg.init)
     if heldout is not None and len(heldout) > cfg.seq_len + 1:
         windows = evaluate.windows(heldout, cfg.seq_len, cfg.eval_windows)
         summary["heldout_greedy_agreement_per_depth"] = agreement(shipped, target, windows, max(2, cfg.reuse_steps))
@@ -203,6 +209,8 @@ def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--resume", action="store_true", help="continue from the .ckpt folder")
+    p.add_argument("--init", type=Path, default=None,
+                   help="continue training the MTP layers saved in this folder (their number replaces --layers)")
     p.add_argument("--data", type=Path, default=None,
                    help="train on the conversations recorded by `specserve train data` instead of a corpus")
     p.add_argument("--prompt-weight", type=float, default=defaults.prompt_weight,
@@ -218,7 +226,7 @@ def run_mtp_command(args: argparse.Namespace) -> None:
                          max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                          reuse_steps=args.reuse_steps,
                          max_corpus_mb=args.max_corpus_mb, dtype=parse_dtype(args.dtype), seed=args.seed,
-                         resume=args.resume, data=args.data, prompt_weight=args.prompt_weight)
+                         resume=args.resume, data=args.data, prompt_weight=args.prompt_weight, init=args.init)
     if args.corpus:
         cfg.sources = args.corpus
     start = time.monotonic()

@@ -7,6 +7,7 @@ and the run is reproducible step for step.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -193,3 +194,11 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """A safetensors file (see train/checkpoint.py): resuming loads tensors and JSON, nothing unpickled."""
     save_state(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "state": {f: getattr(state, f) for f in StageState.__dataclass_fields__}})
+
+
+def continued_from(init: Path | None) -> dict:
+    """The summary entry of a run that continued training a saved drafter: that drafter's own summary, so the
+    training spent on shipped weights adds up across runs."""
+    if init is None or not (init / "training_summary.json").exists():
+        return {}
+    return {"continued_from": json.loads((init / "training_summary.json").read_text())}
