@@ -7,7 +7,7 @@ throughput is counted in this process's CPU time, because the two cores are shar
 time drifts with their load (wall-clock figures are printed too); plain decoding is measured again before each
 method's rows, and each speedup is against the plain run just before it. Prints a markdown table; --json writes the rows.
 
-    python benchmarks/bench_drafters.py [--k 1,...,8] [--trees 2:3:8,...] [--per-kind 2] [--max-tokens 64]
+    python benchmarks/bench_drafters.py [--k 1,...,8,auto] [--trees 2:3:8,...] [--per-kind 2] [--max-tokens 64]
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def measure(llm: LLM, conversations: list[tuple[str, list[dict]]], params: Sampl
     """Output tokens per second of whole requests (prefill included), by the wall clock and by this process's
     CPU time. The engine runs one thread, so CPU time is the work done and does not grow while other jobs
     hold the shared cores; speedups are taken from it."""
-    tokens, drafts, accepted, wall, cpu = 0, 0, 0, 0.0, 0.0
+    tokens, drafts, accepted, wall, cpu, lengths = 0, 0, 0, 0.0, 0.0, []
     for _, messages in conversations:
         start, start_cpu = time.perf_counter(), time.process_time()
         [out] = llm.chat(messages, params)
@@ -49,11 +49,13 @@ def measure(llm: LLM, conversations: list[tuple[str, list[dict]]], params: Sampl
         tokens += len(out.outputs[0].token_ids)
         drafts += out.spec["num_drafts"]
         accepted += out.spec["num_accepted_tokens"]
+        lengths += out.spec.get("draft_lengths", [])
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": tokens / cpu,
-            "wall_tokens_per_s": tokens / wall, "acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+            "wall_tokens_per_s": tokens / wall, "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "mean_draft_length": sum(lengths) / len(lengths) if lengths else 0.0}
 
 
-def settings_of(method: str, ks: list[int], trees: list[tuple[int, int, int]], sampled_k: int) -> list[dict]:
+def settings_of(method: str, ks: list[int | str], trees: list[tuple[int, int, int]], sampled_k: int) -> list[dict]:
     rows = [dict(num_assistant_tokens=k) for k in ks]
     if method == "eagle3":
         rows += [dict(branching_factor=b, tree_depth=d, num_assistant_tokens=k) for b, d, k in trees]
@@ -73,7 +75,7 @@ def main() -> None:
     ap.add_argument("--drafters", type=Path, default=default_drafters_dir())
     ap.add_argument("--prompts", type=Path, default=None, help="held-out prompts (default: DRAFTERS/heldout_prompts.jsonl)")
     ap.add_argument("--methods", default="eagle3,draft,mtp,ngram", help="ngram: prompt lookup, for comparison")
-    ap.add_argument("--k", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--k", default="1,2,3,4,5,6,7,8,auto", help="fixed draft lengths, and auto (the policy's choice)")
     ap.add_argument("--trees", default="2:3:8,4:2:8,2:4:8,4:3:16", help="b:depth:k,...")
     ap.add_argument("--groups", default="code,prose,math")
     ap.add_argument("--per-kind", type=int, default=2, help="held-out prompts per group")
@@ -81,7 +83,7 @@ def main() -> None:
     ap.add_argument("--sampled-k", type=int, default=5, help="k of the temperature-0.7 row")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    ks = [int(k) for k in args.k.split(",")]
+    ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
     trees = [tuple(int(x) for x in t.split(":")) for t in args.trees.split(",") if t]
     conversations = heldout_conversations(args.prompts or args.drafters / "heldout_prompts.jsonl",
                                           args.groups.split(","), args.per_kind)
@@ -109,11 +111,11 @@ def main() -> None:
     print(f"\nbatch 1, chat template, {len(conversations)} held-out prompts ({args.groups}), up to {args.max_tokens} "
           f"new tokens each, greedy unless T=0.7, one engine thread; tok/s per CPU-second (wall-clock tok/s beside "
           f"it); speedup against the plain row above it, in CPU time")
-    print("| method | mean acceptance length | output tok/s (CPU time) | wall tok/s | speedup vs plain |")
-    print("|---|---|---|---|---|")
+    print("| method | mean acceptance length | mean draft length | output tok/s (CPU time) | wall tok/s | speedup vs plain |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} | {r['wall_tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x |")
+        print(f"| {r['method']} | {r['acceptance_length']:.2f} | {r['mean_draft_length']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['wall_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -132,8 +132,7 @@ def test_training_continues_from_a_saved_drafter(recorded, tmp_path):
     mtp = run_mtp_training(MTPTrainConfig(target=target_dir, out=tmp_path / "m2", data=recorded.out,
                                           init=tmp_path / "m1", max_steps=1, batch_size=2, seq_len=32, lr=0.0))
     assert mtp["num_layers"] == 2 and mtp["continued_from"]["steps"] == 2
-    target_config = load_model(target_dir, torch.float32).config
-    saved = lambda d: load_mtp(d, target_config).state_dict()
+    saved = lambda d: load_mtp(d, ModelConfig.from_pretrained(target_dir)).state_dict()
     assert all(torch.equal(a, b) for a, b in zip(saved(tmp_path / "m1").values(), saved(tmp_path / "m2").values()))
 
 

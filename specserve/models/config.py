@@ -54,6 +54,7 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", False),
+            qk_norm=d.get("model_type") == "qwen3" or any(a.startswith("Qwen3") for a in d.get("architectures") or []),
             num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0) or 0,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
