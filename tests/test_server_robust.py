@@ -23,7 +23,7 @@ from specserve.llm import LLM
 from specserve.sampling_params import MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
 from specserve.server.api_server import build_app, check_dtype_supported, run_server
 from specserve.server.cli import add_serve_parser, resolve_serve_args
-from specserve.drafting.eagle3 import MAX_TREE_NODES
+from specserve.drafting.tree import MAX_TREE_NODES
 from test_server import LiveServer
 
 NAME = "demo"

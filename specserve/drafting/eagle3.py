@@ -24,19 +24,13 @@ import torch
 from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, restart_tail
 from specserve.drafting.eagle3_check import check_acceptance
-from specserve.drafting.tree import GrowingTree
+from specserve.drafting.tree import GrowingTree, check_tree_shape
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
 from specserve.models.packing import pack_for_inference
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-# nodes a request's draft tree may grow in one step (branching + branching^2 * (depth - 1)): the head
-# runs branching * (depth - 1) of them and ranks them all, so this bounds the drafting time one request
-# adds to a step; EAGLE-2's default tree (top-k 10, depth 6) grows 510
-MAX_TREE_NODES = 1024
-
 
 @dataclass(slots=True)
 class HeadState:
@@ -88,21 +82,8 @@ class Eagle3Proposer(Proposer):
 
     def check(self, params) -> None:
         settings = self.settings(params)
-        b, depth, k = settings["branching_factor"], settings["tree_depth"], self.max_draft_tokens(params)
-        if depth <= 0:
-            return
-        if b * b * (depth - 1) + b < k and not params.auto_draft:     # "auto" chooses within the tree
-            raise ValueError(f"a tree with branching_factor={b} and tree_depth={depth} has "
-                             f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
-        if k <= 0:
-            return
-        vocab = self.config.draft_vocab_size
-        if b > vocab:
-            raise ValueError(f"branching_factor={b} is larger than the EAGLE3 head's draft vocabulary ({vocab} tokens)")
-        depth = min(depth, k)                                               # the depth propose() grows
-        if (nodes := b + b * b * (depth - 1)) > MAX_TREE_NODES:
-            raise ValueError(f"a tree with branching_factor={b} and depth {depth} grows {nodes} nodes per step; "
-                             f"at most {MAX_TREE_NODES} are allowed (lower branching_factor or tree_depth)")
+        check_tree_shape(settings["branching_factor"], settings["tree_depth"], self.max_draft_tokens(params),
+                         params.auto_draft, self.config.draft_vocab_size)
 
     def _forward(self, items: list[ForwardItem], hidden: torch.Tensor,
                  earlier_nodes: list[torch.Tensor] | None = None) -> torch.Tensor:

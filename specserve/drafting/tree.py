@@ -7,6 +7,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+# nodes a request's draft tree may grow in one step (branching + branching^2 * (depth - 1)): the head
+# runs branching * (depth - 1) of them and ranks them all, so this bounds the drafting time one request
+# adds to a step; EAGLE-2's default tree (top-k 10, depth 6) grows 510
+MAX_TREE_NODES = 1024
+
+
+def check_tree_shape(b: int, depth: int, k: int, auto: bool, draft_vocab_size: int) -> None:
+    """A request's tree options against its draft length k (a fixed k must fit in the tree; "auto" chooses
+    within it) and the drafter's draft vocabulary; ValueError names the offending option."""
+    if depth <= 0:
+        return
+    if b * b * (depth - 1) + b < k and not auto:
+        raise ValueError(f"a tree with branching_factor={b} and tree_depth={depth} has "
+                         f"{b * b * (depth - 1) + b} nodes, fewer than num_assistant_tokens={k}")
+    if k <= 0:
+        return
+    if b > draft_vocab_size:
+        raise ValueError(f"branching_factor={b} is larger than the EAGLE3 head's draft vocabulary "
+                         f"({draft_vocab_size} tokens)")
+    depth = min(depth, k)                                               # the depth propose() grows
+    if (nodes := b + b * b * (depth - 1)) > MAX_TREE_NODES:
+        raise ValueError(f"a tree with branching_factor={b} and depth {depth} grows {nodes} nodes per step; "
+                         f"at most {MAX_TREE_NODES} are allowed (lower branching_factor or tree_depth)")
+
 
 @dataclass(slots=True)
 class Tree:
