@@ -1,7 +1,6 @@
 """n > 1: one sequence per choice, choice i seeded seed + i, the prompt's KV blocks computed once and shared through
 the prefix cache; each choice drafted and verified on its own."""
 import httpx
-import openai
 import pytest
 
 from specserve.config import demo_model_dir
@@ -59,7 +58,7 @@ def server():
 
 
 def test_n_choices_are_seeded_seed_plus_i(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     body = dict(model="m", prompt=PROMPT, max_tokens=10, temperature=0.9, extra_body={"ignore_eos": True})
     many = client.completions.create(**body, n=3, seed=40)
     assert [c.index for c in many.choices] == [0, 1, 2]
@@ -70,7 +69,7 @@ def test_n_choices_are_seeded_seed_plus_i(server):
 
 
 def test_n_choices_stream_with_their_index(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     chunks = list(client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Count"}], max_tokens=8, temperature=0.7, seed=1, n=2,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))

@@ -1,7 +1,6 @@
 """logprobs / top_logprobs: the target's raw log-probabilities of the emitted tokens, the same under every
 drafting method as in plain decoding, in OpenAI's chat and completions shapes."""
 import httpx
-import openai
 import pytest
 import torch
 
@@ -97,7 +96,7 @@ def server():
 
 
 def test_chat_logprobs_streamed_and_whole(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     body = dict(model="m", messages=[{"role": "user", "content": "Write a loop"}], max_tokens=12, temperature=0,
                 logprobs=True, top_logprobs=2, extra_body={"num_assistant_tokens": 4})
     whole = client.chat.completions.create(**body).choices[0]
@@ -112,7 +111,7 @@ def test_chat_logprobs_streamed_and_whole(server):
 
 
 def test_completions_logprobs_and_offsets(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     choice = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0, logprobs=3).choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
@@ -155,7 +154,7 @@ def test_prompt_logprobs_are_the_targets_and_skip_the_prefix_cache(method):
 
 
 def test_echo_leads_with_the_prompt_and_its_logprobs(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     body = dict(model="m", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True, logprobs=2)
     choice = client.completions.create(**body).choices[0]
     plain = client.completions.create(**{**body, "echo": False}).choices[0]

@@ -50,6 +50,10 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
 
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        """The official OpenAI client on this server, without retries (a failure shows at once)."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
     @classmethod
     @contextlib.contextmanager
     def of_engine(cls, **config):
@@ -77,7 +81,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 @pytest.fixture(scope="module")

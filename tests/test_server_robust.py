@@ -46,7 +46,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_bearer_is_case_insensitive(qwen3_dir):
         for header in ("Basic sekret", "Bearer", "Bearer sekret2", "sekret", "Bearer s\u00e9kret"):
             denied = httpx.post(f"{live.url}{COMPLETIONS}", json=body, headers={"Authorization": header.encode()})
             assert_openai_error(denied, 401)
-        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="sekret", max_retries=0)
+        client = live.client(api_key="sekret")
         assert client.completions.create(model="m", prompt="def", max_tokens=2).choices[0].text is not None
 
 

@@ -4,7 +4,6 @@ import json
 import re
 
 import httpx
-import openai
 import pydantic
 import pytest
 
@@ -97,7 +96,7 @@ def server():
 
 
 def test_openai_parse_with_a_pydantic_model(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     completion = client.beta.chat.completions.parse(model="m", messages=[{"role": "user", "content": "A person"}],
                                                     response_format=Person, max_tokens=80, temperature=0)
     person = completion.choices[0].message.parsed
@@ -117,7 +116,7 @@ def test_openai_parse_with_a_pydantic_model(server):
 
 
 def test_vllm_guided_fields(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    client = server.client()
     choice = client.completions.create(model="m", prompt="Pick:", max_tokens=10, temperature=0.8, seed=2,
                                        extra_body={"guided_choice": ["red", "green", "blue"]}).choices[0].text
     assert choice in ("red", "green", "blue")

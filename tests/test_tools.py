@@ -3,7 +3,6 @@
 import json
 
 import httpx
-import openai
 import pytest
 
 from specserve.config import demo_model_dir
@@ -56,7 +55,7 @@ def test_forced_calls_follow_the_grammar_and_equal_plain_decoding(method):
 @pytest.fixture(scope="module")
 def client():
     with LiveServer.of_engine(model=str(DEMO), speculative_method="eagle3") as live:
-        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0), live.url
+        yield live.client(), live.url
 
 
 def test_tool_call_round_trip_with_the_openai_sdk(client):

@@ -116,7 +116,7 @@ class MTPProposer(Proposer):
                 raise RuntimeError(f"MTP cache of sequence {seq.seq_id} fell behind: it holds "
                                    f"{have} slots, the target's rows start at {first}")
             if rows := rows[have - first:]:
-                state.pending.append(hidden.final[rows].clone())
+                state.pending.append(hidden.final[rows])   # indexing by a list copies the rows
             if state.pending and (seq.seq_id in self.drafted or state.num_pending >= self.block_size):
                 work.append((seq, state))
         self.drafted = set()
