@@ -92,6 +92,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                           dest=option.name, type=option_value(option),
                           help=f"{option.help}, for requests that do not set it ({', '.join(owners)}; default: "
                                f"generation_config.json, else {option.default})")
+    spec.add_argument("--speculative-token-map", metavar="PATH",
+                      help="draft, mtp: score draft tokens over the token ids in this file only (JSON list, or "
+                           "SGLang's torch-saved tensor); 'none' for the whole vocabulary (default: the "
+                           "drafter folder's token_map.json when it has one)")
     spec.add_argument("--no-ngram-cache", action="store_true", default=None,
                       help="ngram: match only the request's own tokens, not earlier requests'")
 

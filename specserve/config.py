@@ -84,6 +84,7 @@ class EngineConfig:
     num_assistant_tokens: int | str | None = None   # engine-wide default ("auto" or a number); requests may override
     draft_options: dict[str, int] = field(default_factory=dict)   # engine-wide defaults of the method's options
     ngram_cache: bool = True                  # cross-request n-gram cache (n-gram method)
+    speculative_token_map: str | None = None  # draft/mtp: a token-map file, "none" (full head), None: the drafter's own
     tensor_parallel_size: int = 1             # ranks the target is sharded over (specserve/distributed/)
 
     def __post_init__(self):

@@ -19,6 +19,7 @@ from specserve.models.mtp import check_compatible, load_mtp
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.drafting.factory import default_drafters_dir, drafter_kind, find_drafters, shipped_drafters
+from specserve.drafting.token_map import TOKEN_MAP_FILE, read_token_map
 
 KINDS = ("draft", "eagle3", "mtp")
 SHIPPED = default_drafters_dir()
@@ -67,6 +68,9 @@ def test_shipped_drafters_fit_the_target(smollm2):
     mtp_config = ModelConfig.from_pretrained(SHIPPED / "mtp")
     check_compatible(mtp_config, target, SHIPPED / "mtp")
     assert load_mtp(SHIPPED / "mtp", target).num_layers == mtp_config.num_nextn_predict_layers >= 1
+
+    for kind in ("draft", "mtp"):          # their heads score the 8,192 tokens the target predicts most often
+        assert len(read_token_map(SHIPPED / kind / TOKEN_MAP_FILE, target.vocab_size)) == 8192
 
     weights = sum((SHIPPED / kind / "model.safetensors").stat().st_size for kind in KINDS)
     assert weights <= 40e6

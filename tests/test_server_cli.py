@@ -85,6 +85,18 @@ def test_mismatched_drafter_stops_start_up(tmp_path, qwen3_dir, capsys):
     assert "does not share the target's tokenizer" in capsys.readouterr().err
 
 
+def test_bad_token_map_stops_start_up(tmp_path, qwen3_dir, capsys):
+    (tmp_path / "map.json").write_text("[1, 2, 99999]")
+    with pytest.raises(SystemExit) as exit:
+        run_server(parse([str(qwen3_dir), "--speculative-method", "ngram", "--speculative-token-map", "x.json"]))
+    assert exit.value.code == 1 and "--speculative-token-map applies to the draft and mtp" in capsys.readouterr().err
+    make_checkpoint(tmp_path / "draft", "qwen3")
+    with pytest.raises(SystemExit):
+        run_server(parse([str(qwen3_dir), "--draft-model", str(tmp_path / "draft"),
+                          "--speculative-token-map", str(tmp_path / "map.json")]))
+    assert "map.json must list token ids in [0, 400)" in capsys.readouterr().err
+
+
 def test_unservable_tree_default_stops_start_up(qwen3_dir, capsys):
     with pytest.raises(SystemExit):
         run_server(parse([str(qwen3_dir), "--speculative-method", "ngram", "--tree-depth", "2"]))

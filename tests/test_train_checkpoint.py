@@ -89,3 +89,13 @@ def test_nothing_in_training_unpickles():
     for source in Path(specserve.train.__file__).parent.glob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", source.read_text()):
             assert "weights_only=True" in call, f"{source.name}: {call}"
+
+
+def test_a_stalled_step_counts_as_the_recent_median():
+    """A suspended process (SIGSTOP while a benchmark runs) must not spend the time budget nor, through the
+    plan, push the schedule's progress (which never goes back) to its end."""
+    from collections import deque
+    from specserve.train.trainer import stall_free
+    recent = deque([1.0, 1.2, 0.9, 1.1] * 5)
+    assert stall_free(700.0, recent) == pytest.approx(1.05) and stall_free(3.0, recent) == 3.0
+    assert stall_free(700.0, deque([1.0] * 5)) == 700.0          # too few steps to tell

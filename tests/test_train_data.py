@@ -18,7 +18,9 @@ from specserve.drafting.factory import drafter_kind
 from specserve.train import data as data_module
 from specserve.train.data import DataConfig, load_conversations, run_data, segment_ids
 from specserve.train.draft import DraftTrainConfig, run_draft_training
-from specserve.train.eagle3 import Eagle3TrainConfig, data_draft_vocabulary, run_eagle3_training
+from specserve.train.eagle3 import Eagle3TrainConfig, run_eagle3_training
+from specserve.drafting.token_map import TOKEN_MAP_FILE, read_token_map
+from specserve.train.token_map import DEFAULT_TOKEN_MAP_SIZE, frequent_tokens
 from specserve.train.mtp import MTPTrainConfig, run_mtp_training
 from specserve.train.prompts import PromptCounts, build_prompts
 
@@ -83,7 +85,7 @@ def test_resume_keeps_finished_shards(recorded, monkeypatch):
 
 def test_draft_vocabulary_is_the_most_predicted_tokens(recorded):
     data = load_conversations(recorded.out)
-    vocab = data_draft_vocabulary(data, 16, 4096)
+    vocab = frequent_tokens(data, 16, 4096)
     assert len(vocab) == 16 and torch.equal(vocab, vocab.sort().values)
     counts = torch.bincount(data.topk_ids[:, 0], minlength=4096)
     assert counts[vocab].min() >= counts[torch.tensor([t for t in range(4096) if t not in set(vocab.tolist())])].max()
@@ -112,6 +114,22 @@ def test_trainers_run_on_recorded_data(recorded, tmp_path):
     for name in ("eagle3", "draft", "mtp"):
         summary = json.loads((tmp_path / name / "training_summary.json").read_text())
         assert summary["minutes"] > 0 and summary["answer_tokens"] > 0
+    # the draft model and MTP layers write the token map they draft over (the data's most predicted tokens)
+    expected = frequent_tokens(load_conversations(recorded.out), DEFAULT_TOKEN_MAP_SIZE, target_config.vocab_size)
+    for name, summary in (("draft", draft), ("mtp", mtp)):
+        assert read_token_map(tmp_path / name / TOKEN_MAP_FILE, target_config.vocab_size).tolist() == expected.tolist()
+        assert summary["token_map_size"] == len(expected) and 0 < summary["token_map_coverage_of_answers"] <= 1
+
+
+def test_token_map_command(recorded, tmp_path, capsys):
+    from specserve.train.cli import main as train_main
+    train_main(["train", "token-map", "--data", str(recorded.out), "--size", "64", "--out", str(tmp_path)])
+    printed = json.loads(capsys.readouterr().out)
+    ids = read_token_map(tmp_path / TOKEN_MAP_FILE, 4096)
+    assert printed["token_map_size"] == len(ids) == 64
+    assert ids.tolist() == frequent_tokens(load_conversations(recorded.out), 64, 4096).tolist()
+    with pytest.raises(SystemExit, match="--out"):
+        train_main(["train", "token-map", "--data", str(recorded.out), "--out", str(tmp_path / "missing")])
 
 
 def test_training_continues_from_a_saved_drafter(recorded, tmp_path):

@@ -13,6 +13,7 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains
+from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
@@ -32,6 +33,7 @@ class DraftModelProposer(Proposer):
     uses_kv_cache = True
     options = (CONFIDENCE_THRESHOLD,)
     name = "draft"
+    uses_token_map = True
 
     def __init__(self, path: str | Path, ctx: DrafterContext):
         self.config = c = ModelConfig.from_pretrained(path)
@@ -44,12 +46,17 @@ class DraftModelProposer(Proposer):
             logger.warning("the draft model handles %d positions: max_model_len lowered from %d",
                            c.max_position_embeddings, ctx.max_model_len)
             self.max_model_len = c.max_position_embeddings
-        self.model = load_model(path, ctx.dtype, ctx.device, c).pack(ctx.device, ctx.dtype)
+        model = load_model(path, ctx.dtype, ctx.device, c)
         self.target_vocab, self.device = ctx.target_config.vocab_size, ctx.device
+        ids = find_token_map(ctx.token_map, Path(path), min(c.vocab_size, self.target_vocab))
+        self.head = None if ids is None else ReducedHead(
+            (model.model.embed_tokens if model.lm_head is None else model.lm_head).weight, ids, self.target_vocab, ctx.dtype)
+        self.model = model.pack(ctx.device, ctx.dtype)
         self.runner = ModelRunner(self.model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                   ctx.num_blocks, ctx.block_size, ctx.dtype, ctx.device)
         self.pending: dict[int, tuple[int, int]] = {}     # seq_id -> (committed length, tokens drafted)
-        logger.info("drafting with the draft model in %s", path)
+        logger.info("drafting with the draft model in %s%s", path,
+                    "" if self.head is None else f" (its head over {self.head.size} mapped tokens)")
 
     @classmethod
     def create(cls, path: Path | None, ctx: DrafterContext) -> DraftModelProposer:
@@ -61,6 +68,8 @@ class DraftModelProposer(Proposer):
         return kv_cache_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(hidden)      # hidden: after the final norm
         logits = self.model.compute_logits(hidden).float()
         V = self.target_vocab
         if logits.shape[-1] > V:

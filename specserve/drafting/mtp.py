@@ -26,7 +26,9 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains, restart_tail
+from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
+from specserve.models.loader import read_tensor
 from specserve.models.mtp import load_mtp
 from specserve.models.packing import pack_for_inference
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
@@ -53,11 +55,13 @@ class MTPProposer(Proposer):
     uses_kv_cache = True
     options = (CONFIDENCE_THRESHOLD,)
     name = "mtp"
+    uses_token_map = True
 
     def __init__(self, path: str | Path | None, ctx: DrafterContext):
         self.target = ctx.target
         source = path or ctx.model_dir
         mtp = load_mtp(source, ctx.target_config, ctx.dtype, ctx.device)
+        self.heads = self._reduced_heads(mtp, find_token_map(ctx.token_map, Path(source), ctx.target_config.vocab_size), ctx)
         self.mtp = pack_for_inference(mtp, ctx.device, ctx.dtype)
         c, N = self.mtp.config, self.mtp.num_layers
         self.block_size = ctx.block_size
@@ -67,10 +71,29 @@ class MTPProposer(Proposer):
         self.block_tails = torch.zeros(ctx.num_blocks, N, c.hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, MTPState] = {}
         self.drafted: set[int] = set()     # the sequences the current step drafts for
-        logger.info("drafting with the %d MTP layer(s) in %s", N, source)
+        logger.info("drafting with the %d MTP layer(s) in %s%s", N, source,
+                    f" (heads over {self.heads[0].size} mapped tokens)" if self.heads[0] is not None else "")
         if isinstance(k := ctx.options["num_assistant_tokens"], int) and k > N:
             logger.warning("num_assistant_tokens=%d but %d MTP layer(s): draft steps %d..%d reuse the last layer, "
                            "and acceptance falls past step %d", k, N, N + 1, k, N)
+
+    def _reduced_heads(self, mtp, ids: torch.Tensor | None, ctx: DrafterContext) -> list[ReducedHead | None]:
+        """Each layer's head over the token map's rows (None: its full head)."""
+        if ids is None:
+            return [None] * mtp.num_layers
+        target_head = None
+        heads = []
+        for layer in range(mtp.num_layers):
+            weight = mtp.head_weight(layer, self.target)
+            if weight is None:      # the target's packed head: its rows from the checkpoint, read once
+                if target_head is None:
+                    target_head = read_tensor(ctx.model_dir, "lm_head.weight")
+                    if target_head is None:
+                        raise ValueError(f"no lm_head.weight in {ctx.model_dir} to cut to the token map; "
+                                         f"pass --speculative-token-map none")
+                weight = target_head
+            heads.append(ReducedHead(weight.to(ctx.device), ids, ctx.target_config.vocab_size, ctx.dtype))
+        return heads
 
     @classmethod
     def create(cls, path: Path | None, ctx: DrafterContext) -> MTPProposer:
@@ -195,7 +218,8 @@ class MTPProposer(Proposer):
                 out = self.mtp(layer, self._embed(input_ids, positions), torch.cat([r for _, _, r in runs]), positions, ctx)
                 for (i, item, _), rows in zip(runs, out.split([len(item.token_ids) for _, item, _ in runs])):
                     outputs[i], last[i] = rows, rows[-1]
-            return self.mtp.compute_logits(layer, torch.stack([last[i] for i in active]), self.target).float()
+            hidden = torch.stack([last[i] for i in active])
+            return self.mtp.compute_logits(layer, hidden, self.target, self.heads[layer]).float()
 
         return draft_chains(seqs, num_draft_tokens, self.target.config.vocab_size, self.device, step_logits)
 

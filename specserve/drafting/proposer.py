@@ -41,6 +41,7 @@ class DrafterContext:
     max_model_len: int
     options: dict[str, int]            # the engine-wide value of every option of the method, num_assistant_tokens too
     cross_request_cache: bool = True   # a drafter may learn from earlier requests (the n-gram cache)
+    token_map: str | None = None       # --speculative-token-map: a file, "none", or None for the drafter's own
 
 
 @dataclass(slots=True)
@@ -126,6 +127,12 @@ def draft_chains(seqs: list[Sequence], num_draft_tokens: list[int], vocab_size: 
     for step in range(K):
         logits = step_logits(step, active, drafts)
         logits = grammar_constrained(logits, [seqs[i] for i in active], [drafts[i] for i in active])
+        if any(seqs[i].grammar is not None for i in active):   # a token map may hold no token the grammar allows
+            live = torch.isfinite(logits).any(dim=-1).tolist()
+            if not all(live):
+                active, logits = [i for i, ok in zip(active, live) if ok], logits[torch.tensor(live)]
+                if not active:
+                    break
         # greedy rows in a batch with sampled ones get a one-hot q
         tokens, q = draw_draft_tokens(logits, [seqs[i] for i in active], step, probs is not None,
                                       [drafts[i] for i in active])
@@ -196,6 +203,8 @@ class Proposer(ABC):
     options: tuple[Option, ...] = ()
     #: the longest context the drafter handles, when shorter than the target's (the engine's limit follows)
     max_model_len: int | None = None
+    #: True when its head can be cut to a token map (drafting/token_map.py)
+    uses_token_map: bool = False
 
     @classmethod
     def create(cls, path: Path | None, ctx: DrafterContext) -> Proposer:

@@ -13,6 +13,7 @@ from specserve.distributed.runner import ParallelRunner, ParallelTarget
 from specserve.drafting.factory import engine_draft_defaults, proposer_class, resolve_method, resolve_request_options
 from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
+from specserve.drafting.token_map import NO_TOKEN_MAP
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.draft_policy import DraftGauges, DraftPolicy, choose_draft_lengths
@@ -51,9 +52,12 @@ class LLMEngine:
         self.spec_method, drafter_path = resolve_method(config, self.model_config)
         self.draft_defaults = engine_draft_defaults(self.spec_method, config, self.generation_config.values)
         proposer_cls = proposer_class(self.spec_method)
+        if config.speculative_token_map not in (None, NO_TOKEN_MAP) and not proposer_cls.uses_token_map:
+            raise ValueError(f"--speculative-token-map applies to the draft and mtp methods, not {self.spec_method}")
         mc = self.model_config
         ctx = DrafterContext(self.model, mc, self.tokenizer, Path(config.model), self.dtype, self.device,
-                             config.block_size, 0, self.max_model_len, self.draft_defaults, config.ngram_cache)
+                             config.block_size, 0, self.max_model_len, self.draft_defaults, config.ngram_cache,
+                             config.speculative_token_map)
         target_bytes = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
                                                 self.device)
         bytes_per_block = (target_bytes + proposer_cls.kv_bytes_per_token(drafter_path, ctx)) * config.block_size

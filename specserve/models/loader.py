@@ -28,6 +28,15 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def read_tensor(model_dir: str | Path, name: str) -> torch.Tensor | None:
+    """One tensor of a checkpoint, None when no file holds it."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    return None
+
+
 def iter_checkpoint(model_dir: str | Path):
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:

@@ -82,12 +82,25 @@ class MultiTokenPredictor(nn.Module):
         cos, sin = self.rotary.lookup(positions, embeds.dtype)
         return m(m.combine(embeds, hidden), cos, sin, ctx)
 
-    def compute_logits(self, layer: int, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        head = self.layers[layer].shared_head
-        norm = head.norm if head is not None and head.norm is not None else target.model.norm
-        if head is not None and head.head is not None:
-            return head.head(norm(hidden))
+    def compute_logits(self, layer: int, hidden: torch.Tensor, target: nn.Module, head=None) -> torch.Tensor:
+        """Layer `layer`'s logits: its own head, else the target's, unless `head` (a reduced one) replaces it."""
+        own = self.layers[layer].shared_head
+        norm = own.norm if own is not None and own.norm is not None else target.model.norm
+        if head is not None:
+            return head(norm(hidden))
+        if own is not None and own.head is not None:
+            return own.head(norm(hidden))
         return target.compute_logits(norm(hidden))
+
+    def head_weight(self, layer: int, target: nn.Module) -> torch.Tensor | None:
+        """The [V, H] weight of layer `layer`'s head while it is still a tensor: its own (before packing), else
+        the target's tied embedding; None when only a packed kernel holds it."""
+        own = self.layers[layer].shared_head
+        if own is not None and own.head is not None:
+            return getattr(own.head, "weight", None)
+        weight = getattr(target.model.embed_tokens, "weight", None)     # a sharded target holds a vocabulary slice
+        return weight if target.config.tie_word_embeddings and weight is not None \
+            and weight.shape[0] == target.config.vocab_size else None
 
 
 def shift_right(hidden: torch.Tensor) -> torch.Tensor:

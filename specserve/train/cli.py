@@ -1,4 +1,5 @@
-"""`specserve train ...`: `demo` models; `data` (self-distillation), `eagle3`, `draft`, `mtp` for any target; `ship`."""
+"""`specserve train ...`: `demo` models; `data` (self-distillation), `eagle3`, `draft`, `mtp`, `token-map` for any
+target; `ship`."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ from specserve.train.eagle3 import add_eagle3_parser
 from specserve.train.lm import ModelSize
 from specserve.train.mtp import add_mtp_parser
 from specserve.train.ship import add_ship_parser
+from specserve.train.token_map import add_token_map_parser
 
 
 def add_train_parsers(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,6 +25,7 @@ def add_train_parsers(subparsers: argparse._SubParsersAction) -> argparse.Argume
     add_draft_parser(train_commands)
     add_eagle3_parser(train_commands)
     add_mtp_parser(train_commands)
+    add_token_map_parser(train_commands)
     add_ship_parser(train_commands)
     return train
 

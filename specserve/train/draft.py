@@ -26,6 +26,7 @@ from specserve.models.registry import load_model, parse_dtype
 from specserve.train.data import Conversations, load_conversations
 from specserve.train.lm import DTYPE_NAMES, num_params
 from specserve.train.trainer import StageConfig, continued_from, train_stage
+from specserve.train.token_map import DEFAULT_TOKEN_MAP_SIZE, write_data_token_map
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -51,6 +52,7 @@ class DraftTrainConfig:
     seed: int = 0
     resume: bool = False
     init: Path | None = None              # a saved draft model to continue training (its shape, not the flags')
+    token_map_size: int = DEFAULT_TOKEN_MAP_SIZE   # token_map.json beside the weights (0: none)
 
 
 def draft_config(cfg: DraftTrainConfig, target: ModelConfig) -> dict:
@@ -140,6 +142,7 @@ def run_draft_training(cfg: DraftTrainConfig) -> dict:
                "final_loss": sum(state.losses[-50:]) / max(1, len(state.losses[-50:])),
                "lr": cfg.lr, "prompt_weight": cfg.prompt_weight, "seed": cfg.seed}
     summary |= continued_from(cfg.init)
+    summary |= write_data_token_map(data, cfg.token_map_size, target_config.vocab_size, cfg.out)
     (cfg.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -163,6 +166,8 @@ def add_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/.ckpt")
     p.add_argument("--init", type=Path, default=None,
                    help="continue training the draft model saved in this folder (its shape replaces the size flags)")
+    p.add_argument("--token-map-size", type=int, default=d.token_map_size,
+                   help="write token_map.json: the draft model scores this many of the data's most predicted tokens (0: all)")
     p.set_defaults(func=run_draft_command)
 
 
@@ -174,5 +179,5 @@ def run_draft_command(args: argparse.Namespace) -> None:
                            head_dim=args.head_dim, minutes=args.minutes, max_steps=args.max_steps,
                            batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                            prompt_weight=args.prompt_weight, dtype=parse_dtype(args.dtype), seed=args.seed,
-                           resume=args.resume, init=args.init)
+                           resume=args.resume, init=args.init, token_map_size=args.token_map_size)
     print(json.dumps(run_draft_training(cfg), indent=2))

@@ -31,6 +31,7 @@ from specserve.train.corpus import Corpus, default_sources, read_source
 from specserve.train.data import Conversations, load_conversations, segment_ids
 from specserve.train.demo import chat_texts
 from specserve.train.trainer import StageConfig, continued_from, sample_batch, train_stage
+from specserve.train.token_map import frequent_tokens
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
         else:
             if tuple(layers) != data.aux_layers:
                 raise ValueError(f"{cfg.data} recorded layers {list(data.aux_layers)}, the head reads {list(layers)}")
-            draft_ids = data_draft_vocabulary(data, min(cfg.draft_vocab_size, target_config.vocab_size),
+            draft_ids = frequent_tokens(data, min(cfg.draft_vocab_size, target_config.vocab_size),
                                               target_config.vocab_size)
         head = new_head(cfg, target, target_config, draft_ids)
     else:   # continue training a saved head: its layers and draft vocabulary
@@ -112,16 +113,6 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     summary |= continued_from(cfg.init)
     (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def data_draft_vocabulary(data: Conversations, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` tokens the target predicts most often (its argmax) over the recorded conversations, answer
-    positions counted twice; ties broken by how often the token occurs in the text, then by id. Ascending."""
-    top1 = data.topk_ids[:, 0]
-    predicted = torch.bincount(top1, minlength=vocab_size) + torch.bincount(top1[data.trainable], minlength=vocab_size)
-    occurs = torch.bincount(data.input_ids, minlength=vocab_size)
-    ranked = sorted(range(vocab_size), key=lambda t: (-int(predicted[t]), -int(occurs[t]), t))
-    return torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
 
 
 def corpus_tokens(cfg: Eagle3TrainConfig, target_config: ModelConfig) -> torch.Tensor:

@@ -25,6 +25,7 @@ from specserve.train.corpus import Corpus, build_corpus, default_sources, split_
 from specserve.train.data import Conversations, load_conversations
 from specserve.train.demo import chat_texts, encode_documents
 from specserve.train.trainer import StageConfig, continued_from, train_stage
+from specserve.train.token_map import DEFAULT_TOKEN_MAP_SIZE, write_data_token_map
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class MTPTrainConfig:
     data: Path | None = None              # recorded conversations (`specserve train data`) instead of a corpus
     prompt_weight: float = 0.3            # with data: loss weight of a prompt position (answer positions: 1)
     init: Path | None = None              # saved MTP layers to continue training (their number, not --layers)
+    token_map_size: int = DEFAULT_TOKEN_MAP_SIZE   # with data: token_map.json beside the layers (0: none)
 
 
 def init_mtp(target: torch.nn.Module, num_layers: int, seed: int) -> MultiTokenPredictor:
@@ -173,6 +175,7 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
                "first_loss": _mean(state.losses[:10]), "last_loss": _mean(state.losses[-50:])}
     if cfg.data is not None:
         summary |= {"data": str(cfg.data), "answer_tokens": int(data.trainable.sum()), "prompt_weight": cfg.prompt_weight}
+        summary |= write_data_token_map(data, cfg.token_map_size, target.config.vocab_size, out_dir)
     summary |= continued_from(cfg.init)
     if heldout is not None and len(heldout) > cfg.seq_len + 1:
         windows = evaluate.windows(heldout, cfg.seq_len, cfg.eval_windows)
@@ -215,6 +218,9 @@ def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="train on the conversations recorded by `specserve train data` instead of a corpus")
     p.add_argument("--prompt-weight", type=float, default=defaults.prompt_weight,
                    help="with --data: loss weight of prompt positions (answer positions weigh 1)")
+    p.add_argument("--token-map-size", type=int, default=defaults.token_map_size,
+                   help="with --data: write token_map.json, the layers then score this many of the data's most "
+                        "predicted tokens (0: all)")
     p.set_defaults(func=run_mtp_command)
 
 
@@ -226,7 +232,8 @@ def run_mtp_command(args: argparse.Namespace) -> None:
                          max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                          reuse_steps=args.reuse_steps,
                          max_corpus_mb=args.max_corpus_mb, dtype=parse_dtype(args.dtype), seed=args.seed,
-                         resume=args.resume, data=args.data, prompt_weight=args.prompt_weight, init=args.init)
+                         resume=args.resume, data=args.data, prompt_weight=args.prompt_weight, init=args.init,
+                         token_map_size=args.token_map_size)
     if args.corpus:
         cfg.sources = args.corpus
     start = time.monotonic()

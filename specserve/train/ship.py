@@ -14,7 +14,7 @@ from pathlib import Path
 from specserve.drafting.factory import TARGET_GGUF_KEY, default_drafters_dir, drafter_kind
 
 # no tokenizer files: a drafter shares the target's (a draft model's 2 MB tokenizer.json would be a copy of it)
-SHIPPED_FILES = ("config.json", "model.safetensors", "generation_config.json", "training_summary.json")
+SHIPPED_FILES = ("config.json", "model.safetensors", "generation_config.json", "training_summary.json", "token_map.json")
 
 
 def ship(drafters: list[Path], data: Path | None, gguf_sha256: str, dest: Path, machine: str) -> dict[str, int]:

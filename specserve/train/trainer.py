@@ -28,6 +28,7 @@ from specserve.train.checkpoint import load_state, save_state
 
 RECENT_STEPS = 50
 REPLAN_SECONDS = 60.0
+STALL_FACTOR = 20.0
 
 # autocast feeds bf16 activations to fp32 norm weights; the unfused rms_norm it falls back to is correct
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
@@ -150,7 +151,7 @@ def train_stage(cfg: StageConfig, model: nn.Module, loss_fn: Callable[[torch.Ten
         lr = learning_rate(cfg, state.step, state.progress, state.planned_steps)
         batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, state.step)
         state.losses.append(optimizer_step(cfg, model, optimizer, loss_fn, batch, lr))
-        seconds = time.monotonic() - start
+        seconds = stall_free(time.monotonic() - start, recent)
         threads.record(num_threads, seconds)
         recent.append(seconds)
         state.step += 1
@@ -174,6 +175,15 @@ def train_stage(cfg: StageConfig, model: nn.Module, loss_fn: Callable[[torch.Ten
     state.done = True
     save_checkpoint(checkpoint, model, optimizer, state)
     return state
+
+
+def stall_free(seconds: float, recent: deque[float]) -> float:
+    """A step's time, or the recent median where it took over STALL_FACTOR times that: the process was suspended
+    or the machine stalled, and neither the budget nor the plan (whose progress never goes back) should pay."""
+    if len(recent) < 10:
+        return seconds
+    median = statistics.median(recent)
+    return median if seconds > STALL_FACTOR * median else seconds
 
 
 def _finished(cfg: StageConfig, state: StageState, budget: float) -> bool:
