@@ -11,10 +11,12 @@ DEMO = demo_model_dir()
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "The capital of France is"]
 
 
-def policy_with(rows_to_seconds, acceptance: dict[int, float]) -> DraftPolicy:
-    """A policy whose target costs rows_to_seconds(R) and whose sequences have learned `acceptance`."""
+def policy_with(rows_to_seconds, acceptance: dict[int, float], per_row_slot: float = 0.0) -> DraftPolicy:
+    """A policy whose target costs rows_to_seconds(R) plus per_row_slot for every slot a row attends, and whose
+    sequences have learned `acceptance`."""
     policy = DraftPolicy(8)
-    policy.calibrate(rows_to_seconds)
+    policy.calibrate(lambda rows, slots: rows_to_seconds(rows) + per_row_slot * rows * slots)
+    assert policy.costs.per_row_slot == pytest.approx(per_row_slot, abs=1e-12)
     for seq_id, rate in acceptance.items():
         rng = np.random.default_rng(seq_id)
         for _ in range(200):      # drafts of 8 whose tokens are each accepted with probability `rate`
@@ -42,6 +44,21 @@ def test_each_sequence_by_its_own_acceptance():
     policy = policy_with(lambda rows: 0.010 + 0.0005 * rows, {1: 0.95, 2: 0.05})
     long, short = policy.choose([Candidate(1, 8), Candidate(2, 8)], fixed_rows=2, num_fixed_tokens=2)
     assert long >= 4 and short == 0
+
+
+def test_rows_that_attend_long_contexts_draft_less():
+    """On a CPU a verify row's attention over its context is most of what it costs: the same batch and acceptance
+    draft long at 50 slots a sequence and nothing at 4,000 (SmolLM2 at 2 threads: ~2 us a row per slot)."""
+    policy = policy_with(lambda rows: 0.015 + 0.0002 * rows, {i: 0.6 for i in range(16)}, per_row_slot=2e-6)
+    short = policy.choose([Candidate(i, 8, 50) for i in range(16)], fixed_rows=16, num_fixed_tokens=16,
+                          fixed_slots=16 * 50)
+    long = policy.choose([Candidate(i, 8, 4000) for i in range(16)], fixed_rows=16, num_fixed_tokens=16,
+                         fixed_slots=16 * 4000)
+    assert sum(short) >= 16 and sum(long) == 0
+    costs = policy.costs       # a decode step's measured time less its attention corrects the one-slot table
+    before = costs.target(32)
+    costs.observe_step(decode_rows=32, prompt_rows=0, seconds=float(before) + 2e-6 * 32 * 4000, decode_slots=32 * 4000)
+    assert costs.target(32) == pytest.approx(before)
 
 
 def test_a_sequence_held_at_zero_probes_now_and_then():

@@ -7,11 +7,15 @@ accepted given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits 
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + P * prompt_rows + c * sum_i k_i,      R = decode-shaped rows (1 + k_i per decoding sequence,
-                                                           plus fixed drafts)
+    S(k) = T(R) + s * L + P * prompt_rows + c * sum_i k_i,      R = decode-shaped rows (1 + k_i per decoding
+                                                                 sequence, plus fixed drafts)
 
-where T is the target's forward-and-verify time at R decode rows, P its time per prompt-chunk row (batched
-attention: far cheaper than a decode row) and c the drafter's time per draft token. The policy
+where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row
+attends its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per
+slot, P its time per prompt-chunk row (batched attention: far cheaper than a decode row) and c the drafter's
+time per draft token. At a few hundred slots a context, s * L is most of what a verify row costs on a CPU
+(every decode row is attended on its own, so that its bits do not depend on its neighbours), and it grows
+with the batch's contexts, not with R alone. The policy
 picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in
 descending order of g over the whole batch visits, for every total n, the allocation with the most expected
 tokens at that cost (S depends on n only); G is evaluated at every n at once and the best n taken. Cheap verify
@@ -19,7 +23,8 @@ rows and high acceptance give long chains; a large batch (T steep in R) with low
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
 (itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
-counts, measured at start-up (`calibrate`) and corrected after every decode-only step from its measured time;
+counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
+(`calibrate`); T is corrected after every decode-only step from its measured time less s * L;
 P is a running mean of what steps with prompt rows took beyond T; c a running mean of propose() time per draft
 token. A sequence held at 0 drafts one token every
 PROBE_EVERY steps, so its estimate can recover (the explore step of a bandit).
@@ -43,6 +48,8 @@ METHOD_DECAY = 0.995
 TIME_RATE = 0.2                 # how far one measured step moves the cost table
 PROBE_EVERY = 16
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+CALIBRATION_SLOTS = 512         # the context of the rows that measure s
+SLOT_CALIBRATION_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -64,9 +71,10 @@ class Acceptance:
 
 @dataclass(slots=True)
 class StepCosts:
-    """T(R) as a table over row counts (linear between points, beyond the last along its last slope), and c."""
+    """T(R) as a table over row counts (linear between points, beyond the last along its last slope), s and c."""
     rows: np.ndarray = field(default_factory=lambda: np.array(CALIBRATION_ROWS, dtype=float))
     seconds: np.ndarray | None = None
+    per_row_slot: float = 0.0
     per_draft_token: float = 0.0
     num_draft_samples: int = 0
     per_prompt_row: float = 0.0
@@ -78,12 +86,14 @@ class StepCosts:
         r = np.asarray(rows, dtype=float)
         return np.where(r <= x[-1], np.interp(r, x, y), y[-1] + slope * (r - x[-1]))
 
-    def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
+    def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float, decode_slots: int = 0) -> None:
         """A measured target forward and verify: a decode-only one corrects T, one with prompt rows P."""
+        attention = self.per_row_slot * decode_slots
         if prompt_rows == 0:
-            self.observe_target(decode_rows, seconds)
+            # less the attention s accounts for; an overestimated s cannot drive the table below half of it at once
+            self.observe_target(decode_rows, max(seconds - attention, 0.5 * float(self.target(decode_rows))))
             return
-        residual = max(0.0, seconds - (float(self.target(decode_rows)) if decode_rows else 0.0))
+        residual = max(0.0, seconds - attention - (float(self.target(decode_rows)) if decode_rows else 0.0))
         self.num_prompt_samples += 1
         rate = max(TIME_RATE, 1 / self.num_prompt_samples)
         self.per_prompt_row += rate * (residual / prompt_rows - self.per_prompt_row)
@@ -127,9 +137,11 @@ class DraftGauges:
 
 @dataclass(slots=True)
 class Candidate:
-    """A decoding sequence the policy chooses for: its id, and the most it may draft this step."""
+    """A decoding sequence the policy chooses for: its id, the most it may draft this step, and the slots its
+    last token's row attends (its draft token j attends context + j)."""
     seq_id: int
     max_tokens: int
+    context: int = 0
 
 
 class DraftPolicy:
@@ -144,10 +156,15 @@ class DraftPolicy:
     def calibrated(self) -> bool:
         return self.costs.seconds is not None
 
-    def calibrate(self, measure) -> None:
-        """measure(rows) -> seconds of one target forward and verify at that many rows."""
-        times = [min(measure(int(r)) for _ in range(2)) for r in self.costs.rows]
+    def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
+        """measure(rows, slots) -> seconds of one target forward and verify at that many rows, each attending
+        `slots` cache slots (at most max_slots: what the KV cache and context limit allow)."""
+        times = [min(measure(int(r), 1) for _ in range(2)) for r in self.costs.rows]
         self.costs.seconds = np.maximum.accumulate(np.array(times, dtype=float))
+        slots, R = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS
+        if slots > 1:
+            longer = min(measure(R, slots) for _ in range(2)) - min(measure(R, 1) for _ in range(2))
+            self.costs.per_row_slot = max(0.0, longer / (R * (slots - 1)))
 
     def acceptance(self, seq_id: int) -> np.ndarray:
         """a_ij for j = 1..max_positions."""
@@ -158,11 +175,11 @@ class DraftPolicy:
             return prior
         return (own.accepted + PRIOR_WEIGHT * prior) / (own.attempted + PRIOR_WEIGHT)
 
-    def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, prompt_rows: int = 0
-               ) -> list[int]:
+    def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, prompt_rows: int = 0,
+               fixed_slots: int = 0) -> list[int]:
         """Draft lengths for the candidates. fixed_rows: the step's decode rows the policy does not choose (1 per
-        decoding sequence, fixed drafts); prompt_rows: its prompt-chunk rows; num_fixed_tokens: tokens the step
-        commits regardless (one per sequence that samples)."""
+        decoding sequence, fixed drafts), attending fixed_slots slots in all; prompt_rows: its prompt-chunk rows;
+        num_fixed_tokens: tokens the step commits regardless (one per sequence that samples)."""
         if not candidates:
             return []
         K = self.max_positions
@@ -174,8 +191,12 @@ class DraftPolicy:
         usable = int((sorted_gains >= 0).sum())
         n = np.arange(usable + 1)
         expected = num_fixed_tokens + np.concatenate([[0.0], np.cumsum(sorted_gains[:usable])])
-        seconds = self.costs.target(fixed_rows + n) + self.costs.per_prompt_row * prompt_rows + \
-            self.costs.per_draft_token * n
+        # the slots each added draft token attends, in the order they are added: context + position
+        contexts = np.array([c.context for c in candidates], dtype=float)
+        added = contexts[order[:usable] // K] + order[:usable] % K + 1
+        slots = fixed_slots + np.concatenate([[0.0], np.cumsum(added)])
+        seconds = self.costs.target(fixed_rows + n) + self.costs.per_row_slot * slots + \
+            self.costs.per_prompt_row * prompt_rows + self.costs.per_draft_token * n
         best = int(np.argmax(expected / seconds))
         lengths = np.zeros(len(candidates), dtype=int)
         np.add.at(lengths, order[:best] // K, 1)
@@ -207,10 +228,25 @@ def choose_draft_lengths(policy: DraftPolicy, scheduled: list) -> None:
     if not auto:
         return
     decoding = [s for s in scheduled if s.num_new == 1]
-    fixed_rows = sum(1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding)
+    fixed = [1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding]
+    fixed_slots = sum(row_slots(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed))
     prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
     num_sampling = sum(s.completes_prompt for s in scheduled)
-    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens) for s in auto], fixed_rows, num_sampling,
-                            prompt_rows)
+    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1) for s in auto],
+                            sum(fixed), num_sampling, prompt_rows, fixed_slots)
     for s, k in zip(auto, lengths):
         s.num_draft_tokens = k
+
+
+def row_slots(start: int, rows: int) -> int:
+    """Cache slots `rows` decode-shaped rows from slot `start` attend in all (row r reads start + r + 1)."""
+    return rows * start + rows * (rows + 1) // 2
+
+
+def observe_step_time(policy: DraftPolicy, scheduled: list, items: list, seconds: float) -> None:
+    """A step's measured target forward and verify (its ForwardItems, in `scheduled` order), for the cost model."""
+    if not policy.calibrated:
+        return
+    prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
+    decode_slots = sum(row_slots(it.start, len(it.token_ids)) for s, it in zip(scheduled, items) if s.num_new == 1)
+    policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows, seconds, decode_slots)

@@ -16,7 +16,7 @@ from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetH
 from specserve.drafting.token_map import NO_TOKEN_MAP
 from specserve.drafting.tree import path_moves
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.draft_policy import DraftGauges, DraftPolicy, choose_draft_lengths
+from specserve.engine.draft_policy import DraftGauges, DraftPolicy, choose_draft_lengths, observe_step_time
 from specserve.engine.outputs import RequestError, StepOutput  # noqa: F401 (re-exported)
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.stop_checker import append_tokens
@@ -77,7 +77,7 @@ class LLMEngine:
         self.draft_gauges = DraftGauges()
         if self.spec_method != "none":
             self.time_forward(1)                                   # warm-up: first calls pack and allocate
-            self.policy.calibrate(self.time_forward)
+            self.policy.calibrate(self.time_forward, min(num_blocks * config.block_size, self.max_model_len))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
         # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
@@ -205,10 +205,7 @@ class LLMEngine:
         items = self.prepare(scheduled, draft)
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
         verified = self.verify(scheduled, draft, hidden)
-        if self.policy.calibrated:
-            prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
-            self.policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows,
-                                           time.perf_counter() - drafted)
+        observe_step_time(self.policy, scheduled, items, time.perf_counter() - drafted)
         self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start)
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
@@ -219,10 +216,12 @@ class LLMEngine:
                 self._unpark(s.seq.request_id)
         return outputs
 
-    def time_forward(self, rows: int) -> float:
+    def time_forward(self, rows: int, slots: int = 1) -> float:
         """Seconds of one target forward and its logits at `rows` rows, decode-shaped (one token per sequence, as
-        a verify step's rows are attended): the policy's calibration, run before any request holds a block."""
-        items = [ForwardItem([0], 0, [0]) for _ in range(rows)]
+        a verify step's rows are attended), each attending `slots` cache slots: the policy's calibration, run
+        before any request holds a block (so every block is free to read and write)."""
+        table = list(range(-(-slots // self.block_manager.block_size)))
+        items = [ForwardItem(table, slots - 1, [0]) for _ in range(rows)]
         start = time.perf_counter()
         hidden, _ = self.runner.forward(items)
         self.model.compute_logits(hidden)
