@@ -61,6 +61,25 @@ def test_rows_that_attend_long_contexts_draft_less():
     assert costs.target(32) == pytest.approx(before)
 
 
+def test_a_prompt_chunk_in_the_step_does_not_buy_longer_drafts():
+    """Its time is spent whatever is drafted: counted in the step's time, it would make marginal draft tokens look
+    cheap against the step (under load most steps carry a new request's prompt)."""
+    from types import SimpleNamespace
+    from specserve.engine.draft_policy import choose_draft_lengths
+
+    def step(with_prompt: bool) -> list[int]:
+        policy = policy_with(lambda rows: 0.02 + 0.001 * rows, {i: 0.5 for i in range(8)}, per_row_slot=2e-6)
+        policy.costs.per_prompt_row = 0.002                       # a 256-row chunk: 0.5 s, 25 decode steps' worth
+        params = SimpleNamespace(auto_draft=True)
+        decoding = [SimpleNamespace(seq=SimpleNamespace(seq_id=i, params=params, num_computed_tokens=300), num_new=1,
+                                    num_draft_tokens=8, completes_prompt=True) for i in range(8)]
+        prompt = SimpleNamespace(seq=SimpleNamespace(seq_id=99, params=params, num_computed_tokens=0), num_new=256,
+                                 num_draft_tokens=0, completes_prompt=False)
+        choose_draft_lengths(policy, decoding + [prompt] * with_prompt)
+        return [s.num_draft_tokens for s in decoding]
+    assert step(with_prompt=True) == step(with_prompt=False)
+
+
 def test_a_sequence_held_at_zero_probes_now_and_then():
     policy = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0})
     choices = [policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0] for _ in range(2 * PROBE_EVERY)]
