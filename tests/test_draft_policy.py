@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from specserve.config import demo_model_dir
-from specserve.engine.draft_policy import PROBE_EVERY, Candidate, DraftPolicy, StepCosts
+from specserve.engine.draft_policy import MAX_BACKOFF, PROBE_EVERY, Candidate, DraftPolicy, StepCosts
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -81,9 +81,23 @@ def test_a_prompt_chunk_in_the_step_does_not_buy_longer_drafts():
 
 
 def test_a_sequence_held_at_zero_probes_now_and_then():
-    policy = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0})
-    choices = [policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0] for _ in range(2 * PROBE_EVERY)]
+    policy = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0})     # 200 drafts that landed nothing
+    n = 2 * (PROBE_EVERY << MAX_BACKOFF)
+    choices = [policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0] for _ in range(n)]
     assert choices.count(1) == 2 and set(choices) == {0, 1}
+
+
+def test_failed_probes_back_off_and_a_landed_one_resets():
+    policy = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0})     # sequence 2 is new, held at 0 by the prior
+    probes = []
+    for step in range(16 + 32 + 64 + 128 + 128):
+        if policy.choose([Candidate(2, 8)], fixed_rows=1, num_fixed_tokens=1)[0]:
+            probes.append(step)
+            policy.observe(2, 1, 0)                                   # nothing accepted
+    assert probes[0] == PROBE_EVERY - 1 and np.diff(probes).tolist() == [32, 64, 128, 128]   # doubling, up to 128
+    policy.observe(2, 1, 1)                                           # a probe that lands: back to every 16
+    choices = [policy.choose([Candidate(2, 8)], fixed_rows=1, num_fixed_tokens=1)[0] for _ in range(16)]
+    assert choices.count(1) == 1
 
 
 def test_a_new_sequence_starts_from_the_methods_rate():

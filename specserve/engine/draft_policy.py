@@ -31,8 +31,10 @@ counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, b
 (`calibrate`); T is corrected after every decode-only step from its measured time less s * L;
 P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of
 what such steps took beyond T and s * L; c a running mean of propose() time per draft
-token. A sequence held at 0 drafts one token every
-PROBE_EVERY steps, so its estimate can recover (the explore step of a bandit).
+token. A sequence held at 0 drafts one token every PROBE_EVERY steps, so its estimate can recover (the explore
+step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY << MAX_BACKOFF
+steps, because a probe is not free: a verify row over the whole context and a drafter forward, which at 32
+sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
@@ -52,6 +54,7 @@ SEQ_DECAY = 0.8                 # a sequence's counts decay by this per observat
 METHOD_DECAY = 0.995
 TIME_RATE = 0.2                 # how far one measured step moves the cost table
 PROBE_EVERY = 16
+MAX_BACKOFF = 3                 # the wait between failed probes doubles at most this many times (16 -> 128 steps)
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_SLOTS = 512         # the context of the rows that measure s
 SLOT_CALIBRATION_ROWS = 8
@@ -155,6 +158,7 @@ class DraftPolicy:
         self.method = Acceptance.empty(max_positions)
         self.seqs: dict[int, Acceptance] = {}
         self.idle_steps: dict[int, int] = {}
+        self.failed_probes: dict[int, int] = {}     # drafts in a row that landed nothing, per sequence
         self.costs = StepCosts()
 
     @property
@@ -206,7 +210,7 @@ class DraftPolicy:
         np.add.at(lengths, order[:best] // K, 1)
         for i, c in enumerate(candidates):      # explore: a sequence held at 0 probes one token now and then
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
-            if idle >= PROBE_EVERY and caps[i] > 0:
+            if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0:
                 lengths[i], idle = 1, 0
             self.idle_steps[c.seq_id] = idle
         return lengths.tolist()
@@ -219,10 +223,12 @@ class DraftPolicy:
             own = self.seqs[seq_id] = Acceptance.empty(self.max_positions)
         own.observe(num_drafted, num_accepted, SEQ_DECAY)
         self.method.observe(num_drafted, num_accepted, METHOD_DECAY)
+        self.failed_probes[seq_id] = 0 if num_accepted else self.failed_probes.get(seq_id, 0) + 1
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.idle_steps.pop(seq_id, None)
+        self.failed_probes.pop(seq_id, None)
 
 
 def choose_draft_lengths(policy: DraftPolicy, scheduled: list) -> None:
