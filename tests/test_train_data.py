@@ -168,3 +168,31 @@ def test_draft_distillation_loss_is_the_topk_cross_entropy(recorded):
     p = torch.softmax(data.topk_logits[:8], -1)
     expected = -(p * log_q.gather(-1, data.topk_ids[:8])).sum(-1).mean()
     torch.testing.assert_close(loss, expected)
+
+
+def test_a_saved_heads_draft_vocabulary_grows_with_init(recorded, tmp_path):
+    """--init with a larger --draft-vocab-size: the head keeps its tokens and rows and gains the data's most
+    predicted tokens it lacked, their rows starting from the target's head."""
+    from specserve.train.token_map import ranked_tokens
+    target_dir = demo_model_dir()
+    target_config = ModelConfig.from_pretrained(target_dir)
+    target = load_model(target_dir, torch.float32)
+    small = Eagle3TrainConfig(target=target_dir, out=tmp_path / "small", data=recorded.out, max_steps=2, batch_size=2,
+                              seq_len=32, draft_vocab_size=128, ttt_steps=2)
+    run_eagle3_training(small)
+    grown = run_eagle3_training(Eagle3TrainConfig(target=target_dir, out=tmp_path / "grown", data=recorded.out,
+                                                  init=tmp_path / "small", max_steps=1, batch_size=2, seq_len=32,
+                                                  draft_vocab_size=300, ttt_steps=2, lr=0.0))
+    assert grown["draft_vocab_size"] == 300
+    load = lambda d: load_eagle3_head(d, target.model.embed_tokens, target_config, torch.float32, "cpu", 64)
+    before, after = load(tmp_path / "small"), load(tmp_path / "grown")
+    old_ids = before.target_ids(torch.arange(128)).tolist()
+    new_ids = after.target_ids(torch.arange(300)).tolist()
+    assert new_ids == sorted(new_ids) and set(old_ids) < set(new_ids)
+    ranked = [t for t in ranked_tokens(load_conversations(recorded.out), target_config.vocab_size) if t not in old_ids]
+    assert set(new_ids) - set(old_ids) == set(ranked[:172])
+    rows = dict(zip(new_ids, after.lm_head.weight))
+    for i, t in enumerate(old_ids[:20]):
+        torch.testing.assert_close(rows[t], before.lm_head.weight[i])
+    for t in ranked[:20]:
+        torch.testing.assert_close(rows[t], target.output_weight[t].float(), atol=1e-2, rtol=1e-2)   # saved in bf16

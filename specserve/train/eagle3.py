@@ -31,7 +31,7 @@ from specserve.train.corpus import Corpus, default_sources, read_source
 from specserve.train.data import Conversations, load_conversations, segment_ids
 from specserve.train.demo import chat_texts
 from specserve.train.trainer import StageConfig, continued_from, sample_batch, train_stage
-from specserve.train.token_map import frequent_tokens
+from specserve.train.token_map import frequent_tokens, ranked_tokens
 
 
 @dataclass(slots=True)
@@ -87,6 +87,9 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
         head.embed_tokens.requires_grad_(False)
         layers = resolve_aux_layers(head.config.aux_layer_ids, target_config.num_hidden_layers)
         draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size))
+        if data is not None and cfg.draft_vocab_size > len(draft_ids):
+            draft_ids = grow_draft_vocabulary(head, target, draft_ids, ranked_tokens(data, target_config.vocab_size),
+                                              min(cfg.draft_vocab_size, target_config.vocab_size))
     stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
     draft_index[draft_ids] = torch.arange(len(draft_ids))
@@ -207,6 +210,25 @@ def new_head(cfg: Eagle3TrainConfig, target: nn.Module, target_config: ModelConf
     return head
 
 
+def grow_draft_vocabulary(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor, ranked: list[int],
+                          size: int) -> torch.Tensor:
+    """A saved head's draft vocabulary grown to `size` tokens, adding the best-ranked it lacks (a vocabulary chosen
+    from other data covers less of this one). Its rows stay; a new token's lm_head row starts from the target's, as
+    in a new head. Returns the new draft ids (ascending, as d2t maps them)."""
+    have = set(draft_ids.tolist())
+    added = [t for t in ranked if t not in have][:size - len(have)]
+    merged = torch.tensor(sorted(have | set(added)), dtype=torch.int64)
+    old_row = {t: i for i, t in enumerate(draft_ids.tolist())}
+    old = head.lm_head.weight.detach()
+    rows = [old[old_row[t]] if t in old_row else target.output_weight[t].to(old.dtype) for t in merged.tolist()]
+    head.lm_head = nn.Linear(old.shape[1], len(merged), bias=False)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(torch.stack(rows))
+    head.d2t = merged - torch.arange(len(merged))
+    head.config.draft_vocab_size = len(merged)
+    return merged
+
+
 def ttt_loss(head: Eagle3Head, target: nn.Module, layers: tuple[int, ...], draft_index: torch.Tensor,
              batch: torch.Tensor, cfg: Eagle3TrainConfig) -> torch.Tensor:
     """Training-time test on a batch [B, T + 1] of corpus tokens, the target run on it here."""
@@ -265,7 +287,9 @@ def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="head folder (default: TARGET/eagle3)")
     p.add_argument("--minutes", type=float, default=d.minutes)
     p.add_argument("--max-steps", type=int, default=None, help="fixed steps instead of the time budget")
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help="with --init and --data, a larger size grows the saved head's vocabulary by the data's "
+                        "most predicted tokens it lacks")
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP size (default: the target's)")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="unrolled training-time-test steps")
     p.add_argument("--layers", type=parse_layers, default=None,

@@ -16,14 +16,18 @@ from specserve.train.data import Conversations, load_conversations
 DEFAULT_TOKEN_MAP_SIZE = 8192
 
 
-def frequent_tokens(data: Conversations, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` tokens the target predicts most often (its argmax) over the recorded conversations, answer
-    positions counted twice; ties broken by how often the token occurs in the text, then by id. Ascending."""
+def ranked_tokens(data: Conversations, vocab_size: int) -> list[int]:
+    """Every token, the ones the target predicts most often (its argmax) over the recorded conversations first,
+    answer positions counted twice; ties broken by how often the token occurs in the text, then by id."""
     top1 = data.topk_ids[:, 0]
     predicted = torch.bincount(top1, minlength=vocab_size) + torch.bincount(top1[data.trainable], minlength=vocab_size)
     occurs = torch.bincount(data.input_ids, minlength=vocab_size)
-    ranked = sorted(range(vocab_size), key=lambda t: (-int(predicted[t]), -int(occurs[t]), t))
-    return torch.tensor(sorted(ranked[:size]), dtype=torch.int64)
+    return sorted(range(vocab_size), key=lambda t: (-int(predicted[t]), -int(occurs[t]), t))
+
+
+def frequent_tokens(data: Conversations, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` best-ranked tokens (ranked_tokens), ascending."""
+    return torch.tensor(sorted(ranked_tokens(data, vocab_size)[:size]), dtype=torch.int64)
 
 
 def answer_coverage(data: Conversations, ids: torch.Tensor, vocab_size: int) -> float:
