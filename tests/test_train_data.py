@@ -196,3 +196,9 @@ def test_a_saved_heads_draft_vocabulary_grows_with_init(recorded, tmp_path):
         torch.testing.assert_close(rows[t], before.lm_head.weight[i])
     for t in ranked[:20]:
         torch.testing.assert_close(rows[t], target.output_weight[t].float(), atol=1e-2, rtol=1e-2)   # saved in bf16
+    cut = run_eagle3_training(Eagle3TrainConfig(target=target_dir, out=tmp_path / "cut", data=recorded.out,
+                                                init=tmp_path / "grown", max_steps=0, draft_vocab_size=200,
+                                                batch_size=2, seq_len=32, ttt_steps=2))
+    kept = load(tmp_path / "cut").target_ids(torch.arange(200)).tolist()
+    best = [t for t in ranked_tokens(load_conversations(recorded.out), target_config.vocab_size) if t in set(new_ids)]
+    assert cut["draft_vocab_size"] == 200 and set(kept) == set(best[:200])

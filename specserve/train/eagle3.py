@@ -34,6 +34,9 @@ from specserve.train.trainer import StageConfig, continued_from, sample_batch, t
 from specserve.train.token_map import frequent_tokens, ranked_tokens
 
 
+DRAFT_VOCAB_SIZE = 2048
+
+
 @dataclass(slots=True)
 class Eagle3TrainConfig:
     target: Path
@@ -41,7 +44,7 @@ class Eagle3TrainConfig:
     sources: list[Path] = field(default_factory=default_sources)
     minutes: float = 12.0
     max_steps: int | None = None
-    draft_vocab_size: int = 2048
+    draft_vocab_size: int | None = None   # a new head's: 2048 when None; with init, None keeps the saved head's
     intermediate_size: int | None = None    # default: the target's
     layers: tuple[int, ...] | None = None   # target layers whose input states the head reads; None: (2, L//2, L-3)
     init: Path | None = None                # a saved head to continue training (its layers and vocabulary)
@@ -78,7 +81,7 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
         else:
             if tuple(layers) != data.aux_layers:
                 raise ValueError(f"{cfg.data} recorded layers {list(data.aux_layers)}, the head reads {list(layers)}")
-            draft_ids = frequent_tokens(data, min(cfg.draft_vocab_size, target_config.vocab_size),
+            draft_ids = frequent_tokens(data, min(cfg.draft_vocab_size or DRAFT_VOCAB_SIZE, target_config.vocab_size),
                                               target_config.vocab_size)
         head = new_head(cfg, target, target_config, draft_ids)
     else:   # continue training a saved head: its layers and draft vocabulary
@@ -87,9 +90,9 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
         head.embed_tokens.requires_grad_(False)
         layers = resolve_aux_layers(head.config.aux_layer_ids, target_config.num_hidden_layers)
         draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size))
-        if data is not None and cfg.draft_vocab_size > len(draft_ids):
-            draft_ids = grow_draft_vocabulary(head, target, draft_ids, ranked_tokens(data, target_config.vocab_size),
-                                              min(cfg.draft_vocab_size, target_config.vocab_size))
+        if data is not None and cfg.draft_vocab_size is not None and cfg.draft_vocab_size != len(draft_ids):
+            draft_ids = resize_draft_vocabulary(head, target, draft_ids, ranked_tokens(data, target_config.vocab_size),
+                                                min(cfg.draft_vocab_size, target_config.vocab_size))
     stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
     draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
     draft_index[draft_ids] = torch.arange(len(draft_ids))
@@ -162,7 +165,7 @@ def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[in
                      cached: Path) -> torch.Tensor:
     """The draft_vocab_size target tokens the target predicts most often on the corpus, ascending
     (ties and any shortfall filled by corpus frequency, then by id)."""
-    size = min(cfg.draft_vocab_size, target.config.vocab_size)
+    size = min(cfg.draft_vocab_size or DRAFT_VOCAB_SIZE, target.config.vocab_size)
     if cfg.resume and cached.exists():
         return load_state(cached)
     counts: Counter[int] = Counter()
@@ -210,14 +213,18 @@ def new_head(cfg: Eagle3TrainConfig, target: nn.Module, target_config: ModelConf
     return head
 
 
-def grow_draft_vocabulary(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor, ranked: list[int],
-                          size: int) -> torch.Tensor:
-    """A saved head's draft vocabulary grown to `size` tokens, adding the best-ranked it lacks (a vocabulary chosen
-    from other data covers less of this one). Its rows stay; a new token's lm_head row starts from the target's, as
-    in a new head. Returns the new draft ids (ascending, as d2t maps them)."""
+def resize_draft_vocabulary(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor, ranked: list[int],
+                            size: int) -> torch.Tensor:
+    """A saved head's draft vocabulary resized to `size` tokens: grown by the best-ranked tokens it lacks (a
+    vocabulary chosen from other data covers less of this one), or cut to its best-ranked ones. Kept tokens keep
+    their rows; a new token's lm_head row starts from the target's, as in a new head. Returns the new draft ids
+    (ascending, as d2t maps them)."""
     have = set(draft_ids.tolist())
-    added = [t for t in ranked if t not in have][:size - len(have)]
-    merged = torch.tensor(sorted(have | set(added)), dtype=torch.int64)
+    if size < len(have):
+        kept = set([t for t in ranked if t in have][:size])
+    else:
+        kept = have | set([t for t in ranked if t not in have][:size - len(have)])
+    merged = torch.tensor(sorted(kept), dtype=torch.int64)
     old_row = {t: i for i, t in enumerate(draft_ids.tolist())}
     old = head.lm_head.weight.detach()
     rows = [old[old_row[t]] if t in old_row else target.output_weight[t].to(old.dtype) for t in merged.tolist()]
@@ -287,9 +294,10 @@ def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="head folder (default: TARGET/eagle3)")
     p.add_argument("--minutes", type=float, default=d.minutes)
     p.add_argument("--max-steps", type=int, default=None, help="fixed steps instead of the time budget")
-    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
-                   help="with --init and --data, a larger size grows the saved head's vocabulary by the data's "
-                        "most predicted tokens it lacks")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help=f"draft vocabulary of a new head (default {DRAFT_VOCAB_SIZE}); with --init and --data, resizes "
+                        "the saved head's: grown by the data's most predicted tokens it lacks, or cut to its most "
+                        "predicted ones (default: kept)")
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP size (default: the target's)")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="unrolled training-time-test steps")
     p.add_argument("--layers", type=parse_layers, default=None,
