@@ -370,6 +370,7 @@ def test_sampled_output_has_the_target_distribution(eagle, tree, k, monkeypatch)
         costs = eagle.engine.policy.costs
         monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
         monkeypatch.setattr(costs, "per_draft_token", 0.0)
+        monkeypatch.setattr(costs, "per_row_slot", 0.0)
         for name in ("observe_target", "observe_drafter"):
             monkeypatch.setattr(type(costs), name, lambda self, *args: None)
     prompt = eagle.tokenizer.encode("The quick brown fox jumps over the")
