@@ -35,3 +35,16 @@ def second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
         h, _ = runner.forward([ForwardItem([t + 1], 0, prompt + [t]) for t in range(V)])
         p2 = torch.softmax(model.compute_logits(h[torch.arange(1, V + 1) * (n + 1) - 1]).double(), -1)
     return (p1[:, None] * p2).sum(0)
+
+
+def assert_second_token_is_the_targets(llm, n: int, num_assistant_tokens=3, text: str = "The quick brown") -> None:
+    """n unseeded-alike requests (seeds 0..n-1) at temperature 1 drafting `num_assistant_tokens`: drafts are both
+    accepted and rejected, and the second output token, produced by verification, follows the target's marginal."""
+    from specserve.sampling_params import SamplingParams
+    prompt = llm.tokenizer.encode(text)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i,
+                                                      num_assistant_tokens=num_assistant_tokens) for i in range(n)])
+    accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
+    assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in outs)
+    assert_samples_from([o.outputs[0].token_ids[1] for o in outs], second_token_marginal(llm.engine.model, prompt),
+                        lump_below=5)

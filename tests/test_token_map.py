@@ -13,12 +13,10 @@ from specserve.config import demo_model_dir
 from specserve.drafting.token_map import TOKEN_MAP_FILE, ReducedHead, find_token_map, read_token_map
 from specserve.llm import LLM
 from specserve.models.config import ModelConfig
-from specserve.sampling_params import SamplingParams
 from specserve.structured_output import GrammarCompiler, StructuredOutput
 from specserve.tokenizer import Tokenizer
 
-from conftest import make_checkpoint
-from stats import assert_samples_from, second_token_marginal
+from stats import assert_second_token_is_the_targets
 from test_mtp import accurate, record_drafts  # noqa: F401  (accurate is a fixture)
 from test_spec import PROMPTS, damped_pair, greedy, ids  # noqa: F401  (damped_pair is a fixture)
 
@@ -100,14 +98,7 @@ def test_sampled_output_with_a_token_map_has_the_target_distribution(damped_pair
     path, _ = half_map(tmp_path, seed=1)
     llm = LLM(str(damped_pair), kv_cache_memory_gb=0.05, speculative_method="draft", speculative_token_map=path,
               max_num_seqs=256)
-    prompt = llm.tokenizer.encode("The quick brown")
-    n = 3000
-    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i,
-                                                      num_assistant_tokens=3) for i in range(n)])
-    accepted = sum(o.spec["num_accepted_tokens"] for o in outs)
-    assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in outs)
-    assert_samples_from([o.outputs[0].token_ids[1] for o in outs], second_token_marginal(llm.engine.model, prompt),
-                        lump_below=5)
+    assert_second_token_is_the_targets(llm, 3000)
 
 
 def test_a_token_map_is_refused_where_it_cannot_apply(damped_pair, tmp_path):

@@ -39,8 +39,7 @@ def read_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(f"token map {path} must list token ids in [0, {vocab_size}); it has {ids.numel()} "
                          f"entries" + (f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else ""))
-    ids = ids.unique()       # sorted
-    return ids
+    return ids.unique()       # sorted
 
 
 def write_token_map(ids: torch.Tensor, folder: Path) -> Path:
