@@ -3,9 +3,11 @@ import asyncio
 import json
 import re
 import socket
+import statistics
 import threading
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,8 @@ from specserve.bench.metrics import (calculate_metrics, format_result, peak_conc
                                      spec_decode_stats)
 from specserve.bench.cli import build_parser
 from specserve.bench.serve import BenchResult, arrival_times, run_serve
-from specserve.bench.sweep import (SweepPoint, acceptance_length, add_speedups, format_table, run_sweep,
-                                   tokens_per_target_step, write_results)
+from specserve.bench.sweep import (SweepPoint, acceptance_length, add_speedups, auto_against_fixed, format_table,
+                                   run_sweep, tokens_per_target_step, write_results)
 from specserve.bench.tune import pick_num_assistant_tokens, write_generation_config
 
 SONNET = default_sonnet_path()
@@ -290,6 +292,17 @@ def test_tokens_per_step_and_acceptance_from_usage_or_counters():
     assert tokens_per_target_step(no_drafts) == 1.0 and acceptance_length(no_drafts) is None
 
 
+def test_speedups_and_auto_table_use_the_plain_run_of_their_own_block():
+    def measured(method, k, tok_s, block):
+        return replace(point(method, k, tok_s), block=block, concurrency=1)
+    points = [measured("none", 0, 100.0, "a"), measured("a", "auto", 120.0, "a"),
+              measured("none", 0, 50.0, "b"), measured("b", 2, 60.0, "b"), measured("b", "auto", 55.0, "b")]
+    add_speedups(points)
+    assert [p.speedup for p in points] == pytest.approx([1.0, 1.2, 1.0, 1.2, 1.1])
+    table = auto_against_fixed(points)
+    assert "| a | 1 | 100.0 | - (0.0) | 120.0 |" in table and "| b | 1 | 50.0 | 2 (60.0) | 55.0 | 0.00 | 0.92x |" in table
+
+
 def test_sweep_table_and_files(tmp_path):
     points = [point("none", 0, 100.0), point("ngram", 2, 150.0), point("ngram", 4, 120.0)]
     add_speedups(points)
@@ -406,12 +419,16 @@ def test_bench_sweep_cli_against_fake_server(fake_server, tmp_path, capsys):
     args = parse(["bench", "sweep", "--base-url", fake_server, "--dataset-name", "random",
                   "--random-input-len", "16", "--output-len", "4", "--num-prompts", "2",
                   "--num-assistant-tokens", "0,2", "--result-dir", str(tmp_path / "out"), "--disable-tqdm",
-                  "--tokenizer", str(word_tokenizer_dir(tmp_path))])
+                  "--tokenizer", str(word_tokenizer_dir(tmp_path)), "--repeats", "3"])
     points = run_sweep(args)
     assert [p.num_assistant_tokens for p in points] == [0, 2]
+    assert all(len(p.runs) == 3 and p.output_throughput == statistics.median(p.runs) for p in points)
+    out = capsys.readouterr().out            # rounds interleave the settings, each round starting one later
+    order = re.findall(r"num_assistant_tokens=(\d) concurrency=1 round (\d)/3", out)
+    assert order == [("0", "1"), ("2", "1"), ("2", "2"), ("0", "2"), ("0", "3"), ("2", "3")]
     assert points[1].tokens_per_step == pytest.approx(7 / 4)   # 7 tokens, 3 of them accepted drafts
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"sweep.csv", "sweep.json", "sweep.png"}
-    assert "speedup" in capsys.readouterr().out
+    assert "speedup" in out
 
 
 def word_tokenizer_dir(tmp_path: Path) -> Path:

@@ -152,6 +152,8 @@ def add_sweep_args(p: argparse.ArgumentParser, default_ks: str) -> None:
     g.add_argument("--server-args", help="extra flags for each launched `specserve serve`, as one string")
     g.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
     g.add_argument("--label", help="name of the running server's method in the table (default: server)")
+    g.add_argument("--repeats", type=positive_int, default=1,
+                   help="measure every setting this many times, in interleaved rounds, and keep the median")
 
 
 def check_args(args: argparse.Namespace, error: Callable[[str], None]) -> None:

@@ -5,6 +5,8 @@ import asyncio
 import csv
 import json
 import shlex
+import statistics
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -27,6 +29,8 @@ class SweepPoint:
     concurrency: int | None = None      # --max-concurrency of the run
     mean_draft_length: float | None = None   # chosen per decode step (the server's usage.draft_lengths)
     speedup: float | None = None        # output tokens/s over plain decoding's, at the same concurrency
+    block: str | None = None            # the method whose interleaved block measured it (plain's own baseline)
+    runs: list[float] | None = None     # each round's output tokens/s (--repeats); output_throughput: their median
 
 
 def usage_total(result: BenchResult, key: str) -> int:
@@ -71,21 +75,46 @@ def num_prompts_at(args: argparse.Namespace, concurrency: int | None) -> int:
     return max(args.num_prompts, per_slot * concurrency) if per_slot and concurrency else args.num_prompts
 
 
-async def measure_server(args: argparse.Namespace, base_url: str, method: str, ks: list[int | str]) -> list[SweepPoint]:
-    concurrencies = concurrencies_of(args)
+@dataclass(slots=True)
+class Target:
+    """One server in a sweep block: the method it runs, its URL and the num_assistant_tokens measured on it."""
+    method: str
+    base_url: str
+    ks: list[int | str]
+
+
+async def measure_block(args: argparse.Namespace, targets: list[Target], block: str) -> list[SweepPoint]:
+    """Every (server, k) setting of `targets` at each concurrency, --repeats times in interleaved rounds (A B C,
+    then B C A, ...), so that a change in the machine's load falls on every setting alike. Each point keeps
+    the median of its rounds' throughputs; its other figures come from the round nearest that median."""
+    concurrencies, repeats = concurrencies_of(args), getattr(args, "repeats", 1) or 1
     most = argparse.Namespace(**{**vars(args), "num_prompts": max(num_prompts_at(args, c) for c in concurrencies)})
-    cfg, samples, tokenizer = await prepare(most, base_url)
-    points = []
+    prepared = [await prepare(most, t.base_url) for t in targets]
+    settings = [(t, cfg, samples, tokenizer, k) for t, (cfg, samples, tokenizer) in zip(targets, prepared)
+                for k in t.ks]
+    points, order = [], list(range(len(settings)))
     for c in concurrencies:
-        for k in ks:
-            run_cfg = replace(cfg, max_concurrency=c, extra_body={**(cfg.extra_body or {}), "num_assistant_tokens": k})
-            result = await benchmark(run_cfg, samples[:num_prompts_at(args, c)],
-                                     lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
-            print_failures(result.outputs)
-            points.append(point := point_of(method, k, result, c))
-            print(f"{method} num_assistant_tokens={k} concurrency={c}: {point.output_throughput:.2f} tok/s, "
-                  f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
+        rounds: dict[int, list[SweepPoint]] = {i: [] for i in order}
+        for r in range(repeats):
+            for i in order[r % len(order):] + order[:r % len(order)]:
+                target, cfg, samples, tokenizer, k = settings[i]
+                body = {**(cfg.extra_body or {}), "num_assistant_tokens": k}
+                run_cfg = replace(cfg, max_concurrency=c, extra_body=body)
+                result = await benchmark(run_cfg, samples[:num_prompts_at(args, c)],
+                                         lambda text, tok=tokenizer: len(tok.encode(text, add_special_tokens=False)))
+                print_failures(result.outputs)
+                rounds[i].append(point := point_of(target.method, k, result, c))
+                print(f"{target.method} num_assistant_tokens={k} concurrency={c}"
+                      f"{f' round {r + 1}/{repeats}' if repeats > 1 else ''}: {point.output_throughput:.2f} tok/s, "
+                      f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
+        points += [median_point(rounds[i], block) for i in order]
     return points
+
+
+def median_point(runs: list[SweepPoint], block: str) -> SweepPoint:
+    middle = statistics.median(p.output_throughput for p in runs)
+    nearest = min(runs, key=lambda p: abs(p.output_throughput - middle))
+    return replace(nearest, output_throughput=middle, block=block, runs=[p.output_throughput for p in runs])
 
 
 def ks_for_method(method: str, ks: list[int | str], methods: list[str]) -> list[int | str]:
@@ -99,26 +128,45 @@ def ks_for_method(method: str, ks: list[int | str], methods: list[str]) -> list[
 def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[int],
                  skip_unavailable: bool = True) -> list[SweepPoint]:
     """With methods: one launched server per method (--model is then the model directory); a method the model
-    cannot run is skipped when `skip_unavailable`. Without: the server at --base-url / --host:--port, every k."""
+    cannot run is skipped when `skip_unavailable`. With plain decoding ("none") among several methods, its
+    server stays up for the whole sweep and is measured inside each method's block, interleaved with it.
+    Without methods: the server at --base-url / --host:--port, every k."""
     if not methods:
-        return asyncio.run(measure_server(args, base_url_of(args), args.label or "server", ks))
-    points = []
-    for method in methods:
-        log_path = Path(args.result_dir) / f"server-{method}.log"
-        try:
-            with launched_server(args.model, method, log_path, shlex.split(args.server_args or ""),
-                                 args.server_timeout) as base_url:
-                points += asyncio.run(measure_server(args, base_url, method, ks_for_method(method, ks, methods)))
-        except ServerStartError as e:
-            if not skip_unavailable:
-                raise
-            print(f"Skipping --speculative-method {method}: {e}")
-    return points
+        label = args.label or "server"
+        return asyncio.run(measure_block(args, [Target(label, base_url_of(args), ks)], label))
+    result_dir = Path(args.result_dir)
+    extra = shlex.split(args.server_args or "")
+    drafting = [m for m in methods if m != PLAIN]
+    with ExitStack() as stack:
+        plain = None
+        if PLAIN in methods:
+            plain = Target(PLAIN, stack.enter_context(launched_server(
+                args.model, PLAIN, result_dir / f"server-{PLAIN}.log", extra, args.server_timeout)), [0])
+            if not drafting:
+                return asyncio.run(measure_block(args, [plain], PLAIN))
+        points = []
+        for method in drafting:
+            try:
+                with launched_server(args.model, method, result_dir / f"server-{method}.log", extra,
+                                     args.server_timeout) as base_url:
+                    targets = [Target(method, base_url, ks_for_method(method, ks, methods))]
+                    points += asyncio.run(measure_block(args, [plain, *targets] if plain else targets, method))
+            except ServerStartError as e:
+                if not skip_unavailable:
+                    raise
+                print(f"Skipping --speculative-method {method}: {e}")
+        return points
+
+
+def baseline_of(p: SweepPoint, points: list[SweepPoint]) -> SweepPoint | None:
+    """The k=0 point at p's concurrency, from p's own block (measured interleaved with it) where there is one."""
+    same = [b for b in points if b.num_assistant_tokens == 0 and b.concurrency == p.concurrency]
+    return next((b for b in same if b.block == p.block), same[0] if same else None)
 
 
 def add_speedups(points: list[SweepPoint]) -> None:
     for p in points:
-        baseline = next((b for b in points if b.num_assistant_tokens == 0 and b.concurrency == p.concurrency), None)
+        baseline = baseline_of(p, points)
         if baseline is not None and baseline.output_throughput > 0:
             p.speedup = p.output_throughput / baseline.output_throughput
 
@@ -130,7 +178,7 @@ def auto_against_fixed(points: list[SweepPoint]) -> str:
              "auto / max(plain, best k) |", "|---|---|---|---|---|---|---|"]
     for auto in (p for p in points if p.num_assistant_tokens == "auto"):
         same = [p for p in points if p.concurrency == auto.concurrency]
-        plain = next((p for p in same if p.num_assistant_tokens == 0), None)
+        plain = baseline_of(auto, points)
         fixed = [p for p in same if p.method == auto.method and isinstance(p.num_assistant_tokens, int)
                  and p.num_assistant_tokens > 0]
         best = max(fixed, key=lambda p: p.output_throughput, default=None)
@@ -202,11 +250,14 @@ def plot_concurrency(points: list[SweepPoint], path: Path) -> None:
     ax = fig.subplots()
     settings = dict.fromkeys((p.method, p.num_assistant_tokens) for p in points)
     for method, k in settings:
-        line = sorted((p for p in points if (p.method, p.num_assistant_tokens) == (method, k)),
-                      key=lambda p: p.concurrency)
+        by_concurrency: dict[int, list[float]] = {}     # plain is measured once in each method's block
+        for p in points:
+            if (p.method, p.num_assistant_tokens) == (method, k):
+                by_concurrency.setdefault(p.concurrency, []).append(p.output_throughput)
+        xs = sorted(by_concurrency)
         label = "plain" if k == 0 else f"{method} k={k}"
         style = dict(linewidth=2.5) if k == "auto" else dict(linestyle="--" if k == 0 else ":")
-        ax.plot([p.concurrency for p in line], [p.output_throughput for p in line], marker="o", label=label, **style)
+        ax.plot(xs, [statistics.median(by_concurrency[x]) for x in xs], marker="o", label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput against concurrency")
     ax.grid(alpha=0.3)
