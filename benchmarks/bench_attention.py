@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.attention import attend_one_row
+from specserve.layers.kernels import attend_row_bf16
 
 LAYERS, HKV, G, D = 30, 3, 3, 64
 
@@ -39,11 +40,12 @@ def fp32_scores(query, keys, values):                # K upcast: fp32 scores, th
 
 
 CANDIDATES = {                                        # name: (kernel, cache dtype)
-    "fp32 cache, SDPA (before)": (sdpa, torch.float32),
+    "fp32 cache, SDPA": (sdpa, torch.float32),
     "bf16 cache, SDPA": (sdpa, torch.bfloat16),
     "bf16 cache, fp32 SDPA over upcast": (sdpa_fp32, torch.bfloat16),
     "bf16 cache, fp32 scores": (fp32_scores, torch.bfloat16),
     "bf16 cache, bf16 products": (bf16_products, torch.bfloat16),
+    "bf16 cache, native kernel (attend_row.c)": (attend_row_bf16, torch.bfloat16),
     "bf16 cache, attend_one_row (now)": (attend_one_row, torch.bfloat16),
 }
 

@@ -14,6 +14,7 @@ Runs are interleaved so that a change in the machine's load hits every engine al
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -24,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import make_checkpoint  # noqa: E402
+
+from specserve.layers.kernels import attend_row_library  # noqa: E402
 
 SIZES = {"small": dict(hidden=256, layers=4, vocab_size=8192),
          "large": dict(hidden=768, layers=12, vocab_size=32000)}
@@ -197,7 +200,17 @@ def real_model(args) -> None:
         short, long = context_speed(llm, text, (200, 4000))
         print(f"| {name} | {one * 1e3:.2f} | {six * 1e3:.2f} | {six / one:.2f}x | {short:.1f} | {long:.1f} | "
               f"{long / short:.2f}x |")
-    runner = next(iter(llms.values())).engine.runner
+    first = next(iter(llms.values()))
+    if attend_row_library() is not None:                # the same engine with torch's one-row attention
+        os.environ["SPECSERVE_NATIVE_KERNELS"] = "0"
+        attend_row_library.cache_clear()
+        one, six = step_costs(first)
+        short, long = context_speed(first, text, (200, 4000))
+        print(f"| {next(iter(llms))}, torch attention (no native kernel) | {one * 1e3:.2f} | {six * 1e3:.2f} | "
+              f"{six / one:.2f}x | {short:.1f} | {long:.1f} | {long / short:.2f}x |")
+        del os.environ["SPECSERVE_NATIVE_KERNELS"]
+        attend_row_library.cache_clear()
+    runner = first.engine.runner
     if hasattr(runner, "contiguous_start"):           # the same engine gathering its context (the code before)
         runner.contiguous_start = lambda table, n: None
         short, long = context_speed(next(iter(llms.values())), text, (200, 4000))

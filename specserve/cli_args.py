@@ -80,7 +80,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                              "CUDA); under torchrun, the number it started" + default("tensor_parallel_size"))
     engine.add_argument("--seed", type=int, help="seed for requests without one" + default("seed"))
     engine.add_argument("--num-threads", type=int_at_least(1),
-                        help="CPU threads (default: 1 for models whose weights fit in cache, else all cores)")
+                        help="CPU threads (default: 1 for models whose weights fit in cache, else all cores; serve "
+                             "leaves one of them to its HTTP front end)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=SPEC_METHODS,
                       help="default: detected (a drafter in a subfolder of the model folder, else none; "

@@ -77,6 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None            # CPU intra-op threads; None: 1 for models whose weights fit in cache
+    reserved_cpu_cores: int = 0               # with num_threads None, cores left to the HTTP front end (serve: 1)
     quantization: str | None = None           # "int8" / "int4": weight-only linears on CPU (layers/quantization.py)
     # speculative decoding
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specserve.drafting.tree import Tree
-from specserve.layers.attention import BF16_PRODUCTS_MIN_SLOTS, kv_cache_dtype, paged_attention
+from specserve.layers.attention import BF16_PRODUCTS_MIN_SLOTS, attend_one_row, kv_cache_dtype, paged_attention
+from specserve.layers.kernels import attend_row_bf16, attend_row_library
 from specserve.runtime.model_runner import ForwardItem, ModelRunner
 
 HKV, G, D, BLOCK = 3, 3, 64, 16
@@ -113,3 +114,48 @@ def test_a_bf16_model_on_an_avx2_cpu_attends_over_an_fp32_cache(monkeypatch, n_c
     assert out.dtype == torch.bfloat16
     for i in range(3):                  # fp32 attention at any length: only the output is rounded (num_seen 0)
         assert_close(out[i], reference(q[n_ctx + i], kv, torch.arange(n_ctx + i + 1)), torch.bfloat16, 0)
+
+
+native = pytest.mark.skipif(attend_row_library() is None, reason="the native one-row kernel needs AVX-512 and a C "
+                            "compiler (or SPECSERVE_NATIVE_KERNELS=0 is set)")
+
+
+@native
+@pytest.mark.parametrize("hkv, g, d", [(3, 3, 64), (2, 4, 128), (1, 1, 32), (4, 8, 64), (2, 9, 64)])
+def test_native_row_kernel_matches_float64_and_its_bits_do_not_depend_on_threads(hkv, g, d):
+    """Every tail of its 16-slot blocks and 256-slot chunks, on strided views of a larger cache (as read in
+    place); the same bits at 1 and 2 threads, on a contiguous copy and read through scattered slot numbers."""
+    gen = torch.Generator().manual_seed(hkv * 100 + g)
+    threads = torch.get_num_threads()
+    for t in (1, 15, 16, 17, 255, 257, 1000):
+        cache = torch.randn(2, hkv, t + 9, d, generator=gen).bfloat16()
+        keys, values = cache[0, :, 4:4 + t], cache[1, :, 4:4 + t]
+        query = (3 * torch.randn(hkv, g, d, generator=gen)).bfloat16()
+        out = attend_row_bf16(query, keys, values)
+        scores = query.double() @ keys.double().transpose(1, 2) / d ** 0.5
+        ref = scores.softmax(-1) @ values.double()
+        assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(attend_row_bf16(query, keys.contiguous(), values.contiguous()), out)
+        finally:
+            torch.set_num_threads(threads)
+        slots = torch.randperm(2 * t + 5, generator=gen)[:t]             # a paged context, read where it lies
+        paged = torch.zeros(2, hkv, 2 * t + 5, d, dtype=torch.bfloat16)
+        paged[:, :, slots] = cache[:, :, 4:4 + t]
+        assert torch.equal(attend_row_bf16(query, paged[0], paged[1], slots), out)
+
+
+@native
+def test_attend_one_row_falls_back_to_torch_without_the_native_kernel(monkeypatch):
+    query, keys, values = torch.randn(3, 3, 64).bfloat16(), torch.randn(3, 900, 64).bfloat16(), \
+        torch.randn(3, 900, 64).bfloat16()
+    native_out = attend_one_row(query, keys, values)
+    monkeypatch.setenv("SPECSERVE_NATIVE_KERNELS", "0")
+    attend_row_library.cache_clear()
+    try:
+        assert attend_row_bf16(query, keys, values) is None
+        torch_out = attend_one_row(query, keys, values)            # the bf16 products of oneDNN
+    finally:
+        attend_row_library.cache_clear()
+    assert not torch.equal(native_out, torch_out) and torch.allclose(native_out.float(), torch_out.float(), atol=3e-2)

@@ -180,6 +180,20 @@ def test_auto_dtype_on_cpu_follows_a_bf16_checkpoint():
     assert resolve_dtype("float32", ModelConfig(**shape, torch_dtype="bfloat16"), cpu) == torch.float32
 
 
+def test_cpu_threads_one_for_cached_weights_else_all_cores_but_the_reserved(monkeypatch):
+    from specserve.runtime.device import CACHE_RESIDENT_BYTES, set_cpu_threads
+    small, large = torch.nn.Linear(8, 8), torch.nn.Linear(CACHE_RESIDENT_BYTES // 4 // 1024 + 1, 1024, bias=False)
+    calls = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    set_cpu_threads(None, small)
+    set_cpu_threads(None, large)                 # torch's default (every core) stays
+    set_cpu_threads(None, large, reserved_cores=1)
+    set_cpu_threads(None, small, reserved_cores=1)
+    set_cpu_threads(3, large, reserved_cores=1)  # a number given is obeyed
+    assert calls == [1, 3, 1, 3]
+
+
 def test_step_outputs_carry_snapshots_the_engine_does_not_change(qwen3_dir):
     import dataclasses
     engine = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none").engine

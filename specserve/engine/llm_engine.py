@@ -44,7 +44,7 @@ class LLMEngine:
         self.model = ParallelTarget(config, self.model_config, self.device) if tp else \
             load_model(config.model, self.dtype, self.device, self.model_config)
         if self.device.type == "cpu":
-            set_cpu_threads(config.num_threads, self.model)
+            set_cpu_threads(config.num_threads, self.model, config.reserved_cpu_cores)
         self.model.pack(self.device, self.dtype, config.quantization)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

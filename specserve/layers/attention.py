@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.layers.kernels import attend_row_bf16, attend_row_library
 from specserve.layers.linear import bf16_packing_supported
 
 
@@ -97,24 +98,48 @@ BF16_PRODUCTS_MIN_SLOTS = 768
 
 def attend_row_by_row(q: torch.Tensor, cache: torch.Tensor, items: list[RowByRow], out: torch.Tensor) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D], each listed row as a decode step computes it (K/V already written).
-    A row's bits depend only on its query and the K/V it sees, in order: its slots are always read head-major
-    (in place, or gathered into that layout), so in place and gathered give the same products."""
+    A row's bits depend only on its query and the K/V it sees, in order: the native kernel reads its slots where
+    they lie; torch's kernels read them head-major (in place, or gathered into that layout), so in place and
+    gathered give the same products."""
     Hkv, D = cache.shape[2:]
     G = q.shape[1] // Hkv
     heads = cache.permute(1, 2, 0, 3)                 # [2, Hkv, S, D]: the storage's own order (model_runner.py)
+    native = heads.device.type == "cpu" and heads.dtype == torch.bfloat16 and attend_row_library() is not None
     for item in items:
-        kv = heads[:, :, item.run_start:item.run_start + item.num_slots] if item.run_start is not None else \
-            heads.index_select(2, item.slots)                                          # [2, Hkv, T, D]
+        kv = None
         for r, seen in enumerate(item.seen):
-            keys, values = kv[:, :, :seen] if isinstance(seen, int) else kv.index_select(2, seen)
-            row = item.first + r
-            out[row] = attend_one_row(q[row].view(Hkv, G, D), keys, values).view(-1, D)
+            row, query = item.first + r, q[item.first + r].view(Hkv, G, D)
+            result = attend_in_place(query, heads, item, seen) if native else None
+            if result is None:
+                if kv is None:
+                    kv = heads[:, :, item.run_start:item.run_start + item.num_slots] if item.run_start is not None \
+                        else heads.index_select(2, item.slots)                          # [2, Hkv, T, D]
+                keys, values = kv[:, :, :seen] if isinstance(seen, int) else kv.index_select(2, seen)
+                result = attend_one_row(query, keys, values)
+            out[row] = result.view(-1, D)
     return out
+
+
+def attend_in_place(query: torch.Tensor, heads: torch.Tensor, item: RowByRow, seen: int | torch.Tensor
+                    ) -> torch.Tensor | None:
+    """The native kernel over the row's context where it lies in the cache: a run's prefix as a view, any
+    other context through its slot numbers (no gather)."""
+    if item.run_start is not None and isinstance(seen, int):
+        return attend_row_bf16(query, heads[0, :, item.run_start:item.run_start + seen],
+                               heads[1, :, item.run_start:item.run_start + seen])
+    if item.run_start is not None:
+        slots = item.run_start + seen
+    else:
+        slots = item.slots[:seen] if isinstance(seen, int) else item.slots[seen]
+    return attend_row_bf16(query, heads[0], heads[1], slots)
 
 
 def attend_one_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """query [Hkv, G, D] (the G query heads of each K/V head), keys/values [Hkv, T, D] -> [Hkv, G, D]."""
     T, D = keys.shape[1:]
+    if keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and (out := attend_row_bf16(query, keys, values)) \
+            is not None:                    # one pass over the slots in C (layers/kernels/attend_row.c)
+        return out
     if keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and T >= BF16_PRODUCTS_MIN_SLOTS:
         # scores as [T, G] per head: oneDNN's bf16 product with the T slots as rows reads K as stored (with T
         # as columns it reorders K first: 4x slower); softmax in fp32 along the last dimension (along a

@@ -33,14 +33,16 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
 CACHE_RESIDENT_BYTES = 32 << 20
 
 
-def set_cpu_threads(num_threads: int | None, model: torch.nn.Module) -> None:
+def set_cpu_threads(num_threads: int | None, model: torch.nn.Module, reserved_cores: int = 0) -> None:
     """A model whose weights fit in the last-level cache is bound by per-op overhead, which a second
     thread does not shorten; it runs on one thread, which also keeps it fast when other processes
-    load the cores (a busy-waiting thread pool can then be 20x slower). Larger models use them all."""
+    load the cores (a busy-waiting thread pool can then be 20x slower). Larger models use every core but
+    `reserved_cores`, which the server leaves to its HTTP front end: an intra-op pool that needs every core
+    stalls each time the event loop or a client takes one (benchmarks/NOTES.md, serving threads)."""
     if num_threads is None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if weight_bytes >= CACHE_RESIDENT_BYTES:
+        if weight_bytes >= CACHE_RESIDENT_BYTES and not reserved_cores:
             return
-        num_threads = 1
+        num_threads = 1 if weight_bytes < CACHE_RESIDENT_BYTES else max(1, torch.get_num_threads() - reserved_cores)
     torch.set_num_threads(num_threads)
     logger.info("CPU threads: %d", num_threads)

@@ -9,6 +9,7 @@ from torch import nn
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
 from specserve.layers.attention import ForwardContext, RowByRow, kv_cache_dtype
+from specserve.layers.kernels import attend_row_library
 
 # with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
 # the last token and its drafts) is attended token by token, bit-identical to plain decoding (layers/attention.py,
@@ -47,6 +48,8 @@ class ModelRunner:
                               dtype=kv_cache_dtype(dtype, self.device), device=self.device)
         self.kv_cache = storage.permute(0, 3, 1, 2, 4)
         self._arange = np.arange(1 << 16)
+        if storage.device.type == "cpu" and storage.dtype == torch.bfloat16:
+            attend_row_library()                # built (once per machine) now, not inside a timed first step
 
     def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:
         idx = self._arange[begin:end] if end <= len(self._arange) else np.arange(begin, end)

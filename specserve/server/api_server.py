@@ -246,6 +246,7 @@ def run_server(args: argparse.Namespace) -> None:
                         force=True)
     try:
         config = engine_config_from_args(args)
+        config.reserved_cpu_cores = 1     # uvicorn's event loop and the streams' detokenizing need a core
         check_dtype_supported(config.dtype, config.device)
         if run_torchrun_worker(config):     # torchrun's ranks above 0 serve rank 0's calls; HTTP runs on rank 0 only
             return

@@ -1,0 +1,97 @@
+"""Native CPU kernels: C sources beside this file, compiled once per machine by the system's C compiler
+(`cc -O3 -march=native -fopenmp`), cached by source, compiler and CPU, and called through ctypes (which
+releases the GIL). They link the OpenMP runtime torch has loaded, so they share its threads.
+
+Where no compiler is found, the CPU lacks what a kernel needs (AVX-512 for attend_row.c) or
+SPECSERVE_NATIVE_KERNELS=0, the loader returns None and callers keep their torch path."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specserve.gguf.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+SOURCES = Path(__file__).resolve().parent
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECSERVE_NATIVE_KERNELS", "1") != "0"
+
+
+def cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled `name`.c, building it first if this machine has not; None where it cannot be built."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.info("no C compiler: the native %s kernel is off", name)
+        return None
+    source = SOURCES / f"{name}.c"
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), version, cpu_flags(), *flags]).encode()).hexdigest()[:16]
+    built = cache_dir() / "kernels" / f"{name}-{key}.so"
+    try:
+        if not built.is_file():
+            built.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=built.parent) as tmp:
+                out = Path(tmp) / built.name
+                run = subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], capture_output=True,
+                                     text=True, timeout=300)
+                if run.returncode != 0:
+                    logger.warning("the native %s kernel did not build; torch is used instead:\n%s",
+                                   name, run.stderr[-2000:])
+                    return None
+                os.replace(out, built)              # atomic: another process may be building the same file
+        return ctypes.CDLL(str(built))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("the native %s kernel is off: %s", name, e)
+        return None
+
+
+@functools.cache
+def attend_row_library() -> ctypes.CDLL | None:
+    if not enabled() or "avx512f" not in cpu_flags().split():
+        return None
+    lib = load("attend_row")
+    if lib is not None:
+        lib.attend_row_bf16.restype = ctypes.c_int
+        lib.attend_row_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 4 + \
+            [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def attend_row_bf16(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    slots: torch.Tensor | None = None) -> torch.Tensor | None:
+    """query [Hkv, G, D], keys/values [Hkv, T, D] bf16 on CPU, rows contiguous (any head and row strides,
+    the same for K and V) -> [Hkv, G, D] bf16. With `slots` (int64 [T]), keys/values are [Hkv, S, D] (a layer's
+    whole cache) and row t is row slots[t]: the context read where it lies. None where the kernel is off."""
+    lib = attend_row_library()
+    Hkv, _, D = keys.shape
+    if lib is None or {query.dtype, keys.dtype, values.dtype} != {torch.bfloat16} or keys.stride(2) != 1 \
+            or keys.stride()[1:] != values.stride()[1:] or not query.is_contiguous():
+        return None
+    if slots is not None and (slots.dtype != torch.int64 or not slots.is_contiguous()):
+        slots = slots.to(torch.int64).contiguous()
+    out = torch.empty_like(query)
+    status = lib.attend_row_bf16(query.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                 None if slots is None else slots.data_ptr(), keys.stride(0), values.stride(0),
+                                 keys.stride(1), Hkv, query.shape[1], keys.shape[1] if slots is None else len(slots),
+                                 D, D ** -0.5, out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None

@@ -1,0 +1,205 @@
+/* One query row's attention over a bf16 K/V cache on an AVX-512 CPU, in one pass over the slots.
+
+   attend_row_bf16: q [Hkv, G, D] bf16 (the G query heads sharing each K/V head), K/V [Hkv, T, D] bf16 with
+   contiguous rows (any head and row strides: the head-major cache read in place) -> out [Hkv, G, D] bf16.
+   With `slots`, row t of K/V is row slots[t] of the whole cache: a paged context read in place, no gather.
+
+   Why: torch's CPU attention for one row over a long bf16 context runs at a third of the memory bandwidth
+   (scores as a [T, D] x [D, G] product leave 13 of 16 lanes idle at G = 3, softmax and the V product are
+   two more passes over memory). Here the slots are cut into chunks of CHUNK; each chunk computes its scores
+   (16 slots at a time, reduced across lanes by one transpose), its own max, exp and sum, and its part of
+   probabilities x V (flash-decoding's partials); the partials are then combined in chunk order. The bits
+   depend only on the inputs, not on the number of threads: a verify row and a decode row over the same slots
+   get the same output, which greedy exactness relies on.
+
+   Products in fp32 from bf16 inputs (vdpbf16ps where the CPU has AVX512-BF16, else the same pairs widened),
+   softmax and accumulation in fp32, the output rounded to bf16 (nearest even). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 256
+
+static inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+#ifdef __AVX512BF16__
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                          _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                           _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+#endif
+}
+
+/* r[j] = the sum of the 16 lanes of a[j]: three rounds of pairwise unpack-and-add, then a 128-bit transpose */
+static inline __m512 sum_lanes16(const __m512 a[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88), _mm512_shuffle_f32x4(f01, f23, 0xDD));
+}
+
+/* e^x for x <= 0 (Cephes' polynomial on x - n ln 2, then scaled by 2^n), within ~2 ulp */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {        /* 16 bf16 -> 16 fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* One chunk of one K/V head: scores of its n slots for the G queries, their max m[g], sum l[g] of e^(s - m)
+   and acc[g][D] = sum of e^(s - m) V. s: scratch of G * CHUNK floats. Inlined with G and D constants (below),
+   so that the accumulators of the V product stay in registers. */
+static inline __attribute__((always_inline)) void attend_chunk(
+        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots, long row_stride, int n,
+        const int G, const int D, float scale, float *s, float *m, float *l, float *acc) {
+#define ROW(t) ((slots ? slots[t] : (long)(t)) * row_stride)
+    for (int t0 = 0; t0 < n; t0 += 16) {                       /* 16 slots' rows stay in L1 for the G queries */
+        __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+        for (int g = 0; g < G; g++) {
+            __m512 a[16];
+            for (int j = 0; j < 16; j++) {
+                a[j] = _mm512_setzero_ps();
+                if (t0 + j < n)
+                    for (int d = 0; d < D; d += 32)
+                        a[j] = dot_pairs(a[j], _mm512_loadu_si512(k + ROW(t0 + j) + d),
+                                         _mm512_loadu_si512(q + (long)g * D + d));
+            }
+            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+            top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + g * CHUNK + t0));
+        }
+        float mg = _mm512_reduce_max_ps(top);
+        top = _mm512_set1_ps(mg);
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+            __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + g * CHUNK + t0), top)));
+            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        m[g] = mg;
+        l[g] = _mm512_reduce_add_ps(sum);
+    }
+    if (G * D <= 16 * 16) {          /* every accumulator in a register: G * D / 16 independent FMA chains */
+        __m512 r[16], vd[16];
+        for (int i = 0; i < G * D / 16; i++)
+            r[i] = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            for (int b = 0; b < D / 16; b++)
+                vd[b] = load_bf16x16(v + ROW(t) + 16 * b);
+            for (int g = 0; g < G; g++) {
+                __m512 p = _mm512_set1_ps(s[g * CHUNK + t]);
+                for (int b = 0; b < D / 16; b++)
+                    r[g * (D / 16) + b] = _mm512_fmadd_ps(p, vd[b], r[g * (D / 16) + b]);
+            }
+        }
+        for (int i = 0; i < G * D / 16; i++)
+            _mm512_storeu_ps(acc + 16 * i, r[i]);
+        return;
+    }
+    for (int d = 0; d < D; d += 16) {                          /* G accumulators of 16 lanes per pass */
+        __m512 r[16];
+        for (int g = 0; g < G; g++)
+            r[g] = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            __m512 vd = load_bf16x16(v + ROW(t) + d);
+            for (int g = 0; g < G; g++)
+                r[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * CHUNK + t]), vd, r[g]);
+        }
+        for (int g = 0; g < G; g++)
+            _mm512_storeu_ps(acc + g * D + d, r[g]);
+    }
+#undef ROW
+}
+
+static void attend_chunk_any(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                             long row_stride, int n, int G, int D, float scale, float *s, float *m, float *l,
+                             float *acc) {
+    /* the head sizes and grouped-query widths of common models, as constants: loops unrolled, registers kept */
+#define WIDTH(g, d) case g: attend_chunk(q, k, v, slots, row_stride, n, g, d, scale, s, m, l, acc); return;
+#define WIDTHS(d) switch (G) { WIDTH(1, d) WIDTH(2, d) WIDTH(3, d) WIDTH(4, d) WIDTH(5, d) WIDTH(6, d) \
+                                WIDTH(7, d) WIDTH(8, d) }
+    if (D == 64)
+        WIDTHS(64)
+    else if (D == 128)
+        WIDTHS(128)
+#undef WIDTHS
+#undef WIDTH
+    attend_chunk(q, k, v, slots, row_stride, n, G, D, scale, s, m, l, acc);
+}
+
+static inline uint16_t to_bf16(float x) {                     /* round to nearest even (no NaNs here) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* Returns 0, or -1 for a shape it does not handle (D not a multiple of 32, G above 16): the caller falls back. */
+int attend_row_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                    long k_head_stride, long v_head_stride, long row_stride, int Hkv, int G, int T, int D,
+                    float scale, uint16_t *out, int num_threads) {
+    if (D % 32 != 0 || G > 16 || T <= 0)
+        return -1;
+    int chunks = (T + CHUNK - 1) / CHUNK, items = Hkv * chunks;
+    float *m = malloc(sizeof(float) * items * G), *l = malloc(sizeof(float) * items * G);
+    float *acc = malloc(sizeof(float) * items * G * D);
+    if (!m || !l || !acc) {
+        free(m), free(l), free(acc);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int item = 0; item < items; item++) {
+        float s[16 * CHUNK];
+        int h = item / chunks, c = item % chunks, t0 = c * CHUNK, n = T - t0 < CHUNK ? T - t0 : CHUNK;
+        long first = slots ? 0 : (long)t0 * row_stride;             /* slots: row t is slots[t], read in place */
+        attend_chunk_any(q + (long)h * G * D, k + h * k_head_stride + first, v + h * v_head_stride + first,
+                         slots ? slots + t0 : NULL, row_stride, n, G, D, scale, s, m + item * G, l + item * G,
+                         acc + (long)item * G * D);
+    }
+    for (int h = 0; h < Hkv; h++)
+        for (int g = 0; g < G; g++) {
+            float top = -INFINITY, total = 0.0f, o[D];
+            for (int c = 0; c < chunks; c++)
+                top = m[(h * chunks + c) * G + g] > top ? m[(h * chunks + c) * G + g] : top;
+            memset(o, 0, sizeof(o));
+            for (int c = 0; c < chunks; c++) {
+                int item = h * chunks + c;
+                float w = expf(m[item * G + g] - top);
+                total += w * l[item * G + g];
+                const float *a = acc + ((long)item * G + g) * D;
+                for (int d = 0; d < D; d++)
+                    o[d] += w * a[d];
+            }
+            for (int d = 0; d < D; d++)
+                out[((long)h * G + g) * D + d] = to_bf16(o[d] / total);
+        }
+    free(m), free(l), free(acc);
+    return 0;
+}
