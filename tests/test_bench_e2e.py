@@ -81,12 +81,14 @@ def test_bench_sweep_over_concurrency_compares_auto_with_fixed_k(ngram_server, t
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_sweep_launches_each_method(demo_model, tmp_path):
+def test_bench_sweep_launches_each_method(demo_model, tmp_path, capsys):
     points = run_sweep(parse(["bench", "sweep", "--model", str(demo_model), "--methods", "none,ngram",
                               "--num-prompts", "2", "--num-assistant-tokens", "0,3", "--repeats", "2",
                               "--result-dir", str(tmp_path), *PROMPTS]))
     assert [(p.method, p.num_assistant_tokens) for p in points] == [("none", 0), ("ngram", 3)]
     assert [p.block for p in points] == ["ngram", "ngram"] and all(len(p.runs) == 2 for p in points)
+    starts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Starting:")]
+    assert len(starts) == 2 and all("--no-prefix-caching --no-ngram-cache" in line for line in starts)
     assert points[0].acceptance_length is None and points[1].speedup is not None
     assert (tmp_path / "sweep.png").is_file() and (tmp_path / "server-ngram.log").is_file()
 

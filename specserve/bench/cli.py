@@ -154,6 +154,9 @@ def add_sweep_args(p: argparse.ArgumentParser, default_ks: str) -> None:
     g.add_argument("--label", help="name of the running server's method in the table (default: server)")
     g.add_argument("--repeats", type=positive_int, default=1,
                    help="measure every setting this many times, in interleaved rounds, and keep the median")
+    g.add_argument("--keep-server-caches", action="store_true",
+                   help="launched servers keep prefix caching and the n-gram cache (default: off, since every "
+                        "setting sends the same prompts)")
 
 
 def check_args(args: argparse.Namespace, error: Callable[[str], None]) -> None:

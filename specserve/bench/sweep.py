@@ -130,12 +130,17 @@ def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[i
     """With methods: one launched server per method (--model is then the model directory); a method the model
     cannot run is skipped when `skip_unavailable`. With plain decoding ("none") among several methods, its
     server stays up for the whole sweep and is measured inside each method's block, interleaved with it.
+    Launched servers run without prefix caching and the n-gram cache unless --keep-server-caches.
     Without methods: the server at --base-url / --host:--port, every k."""
     if not methods:
         label = args.label or "server"
         return asyncio.run(measure_block(args, [Target(label, base_url_of(args), ks)], label))
     result_dir = Path(args.result_dir)
     extra = shlex.split(args.server_args or "")
+    if not getattr(args, "keep_server_caches", False):
+        # every setting and round sends the same prompts: a server's prefix cache (its prefills) and n-gram cache
+        # (its earlier answers) would make whichever setting runs later faster
+        extra += ["--no-prefix-caching", "--no-ngram-cache"]
     drafting = [m for m in methods if m != PLAIN]
     with ExitStack() as stack:
         plain = None
