@@ -1,4 +1,4 @@
-"""A bound on the bytes of one request body: larger ones get a 413 before any of it is parsed."""
+"""A bound on the bytes of one request body: larger ones get a 413 before any of it is parsed or kept."""
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -6,10 +6,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specserve.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20      # 4 MiB: about a million tokens of text, far past any context here
+DRAIN_BYTES = 64 << 20                   # a refused body up to this size is read and dropped before the 413
 
 
 class LimitRequestBytes:
-    """ASGI middleware: reads an HTTP body up to max_bytes (a Content-Length above it is refused unread),
+    """ASGI middleware: reads an HTTP body up to max_bytes (a Content-Length above it is refused unparsed),
     then hands the app the whole body as one message; later receive() calls reach the client, so a
     handler still sees its disconnect."""
 
@@ -53,5 +54,15 @@ class LimitRequestBytes:
 
     @staticmethod
     async def refuse(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
-        # Connection: close, since the rest of the body is left unread
+        """The error, after reading (not keeping) up to DRAIN_BYTES of the body still coming: closing a socket
+        with unread data resets it, and a client still sending then loses the response. Connection: close,
+        since a longer body is left unread."""
+        drained = 0
+        while drained < DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         await error.response({"Connection": "close"})(scope, receive, send)
