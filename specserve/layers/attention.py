@@ -137,8 +137,7 @@ def attend_in_place(query: torch.Tensor, heads: torch.Tensor, item: RowByRow, se
 def attend_one_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """query [Hkv, G, D] (the G query heads of each K/V head), keys/values [Hkv, T, D] -> [Hkv, G, D]."""
     T, D = keys.shape[1:]
-    if keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and (out := attend_row_bf16(query, keys, values)) \
-            is not None:                    # one pass over the slots in C (layers/kernels/attend_row.c)
+    if (out := attend_row_bf16(query, keys, values)) is not None:   # one pass in C (layers/kernels/attend_row.c)
         return out
     if keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and T >= BF16_PRODUCTS_MIN_SLOTS:
         # scores as [T, G] per head: oneDNN's bf16 product with the T slots as rows reads K as stored (with T
