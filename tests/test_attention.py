@@ -15,9 +15,9 @@ def test_in_place_and_gathered_context_are_the_same(qwen3_dir):
     for table, in_place in (([4, 5, 6, 7], True), ([0, 2, 1, 3], False), ([9, 3, 7, 1], False)):
         runner = ModelRunner(model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, 4, torch.float32)
         _, _, ctx = runner.prepare([ForwardItem(table, 0, ids[:10])])
-        assert (ctx.context_start is not None) == in_place
+        assert (ctx.calls[0].context_start is not None) == in_place
         if in_place:
-            assert ctx.context_start == table[0] * 4
+            assert ctx.calls[0].context_start == table[0] * 4
         prefill, _ = runner.forward([ForwardItem(table, 0, ids[:10])])
         decode = [runner.forward([ForwardItem(table, i, [ids[i]])])[0] for i in range(10, 15)]
         outs[tuple(table)] = torch.cat([prefill] + decode)

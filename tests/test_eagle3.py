@@ -268,7 +268,10 @@ def test_tree_nodes_see_only_their_ancestors(eagle, root_at_catch_up):
     seq = engine.add_request(eagle.tokenizer.encode(PROMPTS[1]), greedy(12, num_assistant_tokens=0))
     while seq.num_output_tokens < 5 or seq.num_computed_tokens % 16 == 0:     # the last token's slot exists
         engine.step()
-    assert proposer.states[seq.seq_id].root is not None
+    state = proposer.states[seq.seq_id]
+    assert state.pending                    # not drafting: the head has not run over its latest tokens
+    proposer._catch_up([(seq, state)])      # as propose() does first
+    assert state.root is not None and not state.pending and state.num_computed == seq.num_computed_tokens
     if not root_at_catch_up:
         proposer.states[seq.seq_id].root = None
     trees = {0: GrowingTree(3, 3)}

@@ -68,6 +68,35 @@ def test_batch_rows_equal_lone_rows_and_tree_nodes_equal_their_path():
         assert torch.equal(row, both[1 + node:2 + node]), node
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_chunk_beside_decoding_sequences_is_attended_alone(dtype):
+    """A step mixing a prompt chunk with decoding sequences pads only the chunk into the batched call (the
+    decode rows, attended one by one, are not padded to its length and computed twice): every row gets the bits
+    it gets in a step of its own kind alone."""
+    torch.manual_seed(2)
+    lens, n_prompt = (40, 200), 90
+    tables = ([0, 1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25])
+    q = [torch.randn(n + 3, HKV * G, D).to(dtype) for n in lens] + [torch.randn(n_prompt, HKV * G, D).to(dtype)]
+    kv = [torch.randn(n + 3, 2, HKV, D).to(dtype) for n in lens] + [torch.randn(n_prompt, 2, HKV, D).to(dtype)]
+    mixed, alone = runner(dtype), runner(dtype)
+    for r in (mixed, alone):
+        for b, n in enumerate(lens):
+            attend(r, [ForwardItem(tables[b], 0, list(range(n)))], q[b][:n], kv[b][:n])
+    decode = [ForwardItem(tables[b], n, [0, 0, 0]) for b, n in enumerate(lens)]
+    prompt = ForwardItem(tables[2], 0, list(range(n_prompt)))
+    items = [decode[0], prompt, decode[1]]
+    _, _, ctx = mixed.prepare(items)
+    [call] = ctx.calls
+    assert call.context_slots.shape == (1, n_prompt) and call.items == [1] and len(ctx.row_by_row) == 2
+    assert call.rows.tolist() == list(range(3, 3 + n_prompt))
+    parts = [q[0][lens[0]:], q[2], q[1][lens[1]:]], [kv[0][lens[0]:], kv[2], kv[1][lens[1]:]]
+    out = attend(mixed, items, torch.cat(parts[0]), torch.cat(parts[1]))
+    rows = [3, n_prompt, 3]
+    lone = [attend(alone, [it], qi, kvi) for it, qi, kvi in zip(items, *parts)]
+    assert all(torch.equal(a, b) for a, b in zip(out.split(rows), lone))
+
+
+
 # ---- linears: each row the same whatever the rows beside it --------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

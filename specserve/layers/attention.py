@@ -32,63 +32,77 @@ class RowByRow:
 
 
 @dataclass(slots=True)
+class BatchedCall:
+    """Sequences attended in one padded call: each attends its `context_slots` (which include its new tokens),
+    masked by `attn_mask`. One sequence whose slots are one run [context_start, context_start + T) is read in
+    place."""
+    context_slots: torch.Tensor             # [B, T] int64, slots each sequence attends to, padded
+    attn_mask: torch.Tensor | None          # [B, 1, Q, T] bool; None: every query sees all T slots
+    query_index: torch.Tensor | None        # [B, Q] flat row of each padded query; None: B == 1, all the rows
+    output_index: torch.Tensor | None       # row of each of its tokens in the padded [B * Q] output
+    context_start: int | None               # B == 1 and its slots contiguous: the first one (no gather)
+    rows: torch.Tensor | None               # flat rows of its tokens; None: every row of the forward
+    items: list[int]                        # which of the forward's items it holds, in order
+
+
+@dataclass(slots=True)
 class ForwardContext:
     """Everything one paged forward needs besides the token ids. Built once per forward by the
     model runner and passed explicitly: a target and a drafter run in one process.
 
-    The N new tokens are packed flat. Their K/V are written to `slot_mapping` first, then each
-    sequence attends to its `context_slots` (which include its new tokens), masked by `attn_mask`.
-    A single sequence whose slots are one run [context_start, context_start + T) is read in place.
+    The N new tokens are packed flat. Their K/V are written to `slot_mapping` first, then each sequence
+    attends: in a batched call (prompt chunks apart from the few-token rows of decoding sequences, so that
+    neither is padded to the other), or row by row (the target's decode and verify rows).
     """
     positions: torch.Tensor                 # [N] int64, rotary position of each new token
     slot_mapping: torch.Tensor              # [N] int64, flat cache slot each new token's K/V goes to
-    context_slots: torch.Tensor             # [B, T] int64, slots each sequence attends to, padded
-    attn_mask: torch.Tensor | None          # [B, 1, Q, T] bool; None: every query sees all T slots
-    query_index: torch.Tensor | None        # [B, Q] flat row of each padded query; None when B == 1
-    output_index: torch.Tensor | None       # [N] row of each flat token in the padded [B * Q] output
     kv_cache: torch.Tensor                  # [L, S, 2, kv_heads, head_dim] (a view of head-major storage)
-    context_start: int | None = None        # B == 1 and its slots contiguous: the first one (no gather)
-    row_by_row: list[RowByRow] | None = None  # sequences attended token by token; all of them: no batched call
+    calls: list[BatchedCall]
+    row_by_row: list[RowByRow] | None = None  # sequences attended token by token, in no call
+    write_start: int | None = None          # the new tokens' slots are one run from here: written as one copy
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
     cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
-    B, T = ctx.context_slots.shape
-    if ctx.row_by_row is not None and len(ctx.row_by_row) == B:
-        if ctx.context_start is not None:
-            cache[ctx.context_start + T - k.shape[0]:ctx.context_start + T].copy_(torch.stack((k, v), dim=1))
-        else:
-            cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
-        return attend_row_by_row(q, cache, ctx.row_by_row, q.new_empty(q.shape))
-    if ctx.context_start is not None:       # a view of the cache: reading 4k slots in place saves a 6 MB copy a layer
-        run = cache[ctx.context_start:ctx.context_start + T]                            # [T, 2, Hkv, D]
-        run[T - k.shape[0]:].copy_(torch.stack((k, v), dim=1))          # the new tokens are the run's last slots
-        kv = run.unsqueeze(0)                                                           # [1, T, 2, Hkv, D]
+    new_kv = torch.stack((k, v), dim=1).to(cache.dtype)
+    if ctx.write_start is not None:
+        cache[ctx.write_start:ctx.write_start + k.shape[0]].copy_(new_kv)
+    else:
+        cache.index_copy_(0, ctx.slot_mapping, new_kv)
+    if len(ctx.calls) == 1 and ctx.calls[0].rows is None:
+        out = batched_attention(q, cache, ctx.calls[0])
+    else:
+        out = q.new_empty(q.shape)
+        for call in ctx.calls:
+            out[call.rows] = batched_attention(q, cache, call)
+    # decoding sequences' rows (beside prompt chunks, or all of them), one by one
+    return out if ctx.row_by_row is None else attend_row_by_row(q, cache, ctx.row_by_row, out)
+
+
+def batched_attention(q: torch.Tensor, cache: torch.Tensor, call: BatchedCall) -> torch.Tensor:
+    """The call's rows of q [N, Hq, D], in order, each sequence padded to the longest."""
+    B, T = call.context_slots.shape
+    if call.context_start is not None:      # a view of the cache: reading 4k slots in place saves a 6 MB copy a layer
+        kv = cache[call.context_start:call.context_start + T].unsqueeze(0)              # [1, T, 2, Hkv, D]
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)       # [1, Hkv, T, D] views
     else:
-        cache.index_copy_(0, ctx.slot_mapping, torch.stack((k, v), dim=1).to(cache.dtype))
-        Hkv, D = k.shape[1:]
-        kv = cache.index_select(0, ctx.context_slots.view(-1)).view(B, T, 2 * Hkv, D).transpose(1, 2)
+        Hkv, D = cache.shape[2:]
+        kv = cache.index_select(0, call.context_slots.view(-1)).view(B, T, 2 * Hkv, D).transpose(1, 2)
         keys, values = kv.chunk(2, dim=1)                                               # [B, Hkv, T, D] each
-    queries = q.unsqueeze(0) if ctx.query_index is None else q[ctx.query_index]          # [B, Q, Hq, D]
+    queries = q.unsqueeze(0) if call.query_index is None else q[call.query_index]        # [B, Q, Hq, D]
     B, Q, Hq, D = queries.shape
     Hkv, G = keys.shape[1], Hq // keys.shape[1]
     # the G query heads sharing a K/V head become G * Q rows of one head: each K/V head is read once, where
     # enable_gqa reads it once per query head (at 4k slots: 304 vs 371 us a layer, one thread)
     queries = queries.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
-    mask = ctx.attn_mask if ctx.attn_mask is None or G == 1 else ctx.attn_mask.repeat(1, 1, G, 1)
+    mask = call.attn_mask if call.attn_mask is None or G == 1 else call.attn_mask.repeat(1, 1, G, 1)
     # a bf16 model attends in fp32 on CPU, as it did when its cache was fp32 (prompt chunks: as fast as in bf16)
     work = torch.float32 if keys.device.type == "cpu" else keys.dtype
-    upcast = queries.dtype != work
     out = F.scaled_dot_product_attention(queries.to(work), keys.to(work), values.to(work), attn_mask=mask)
-    if upcast:
-        out = out.to(q.dtype)
-    out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4)                              # [B, Q, Hkv, G, D]
-    out = out.reshape(q.shape) if ctx.output_index is None else \
-        out.reshape(-1, *q.shape[1:]).index_select(0, ctx.output_index)
-    # a step mixing prompt chunks with decoding sequences: the latter's rows again, one by one (written above)
-    return out if ctx.row_by_row is None else attend_row_by_row(q, cache, ctx.row_by_row, out)
+    out = out.to(q.dtype).view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4)                 # [B, Q, Hkv, G, D]
+    return out.reshape(-1, *q.shape[1:]) if call.output_index is None else \
+        out.reshape(-1, *q.shape[1:]).index_select(0, call.output_index)
 
 
 # a row that sees at least this many slots of a bf16 cache on CPU attends with two bf16 matrix products (oneDNN,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
-from specserve.layers.attention import ForwardContext, RowByRow, kv_cache_dtype
+from specserve.layers.attention import BatchedCall, ForwardContext, RowByRow, kv_cache_dtype
 from specserve.layers.kernels import attend_row_library
 
 # with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
@@ -73,56 +73,65 @@ class ModelRunner:
         self.kv_cache[:, d] = self.kv_cache[:, s]
 
     def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        ids, positions, slot_mapping, row_by_row = [], [], [], []
+        ids, positions, slot_mapping, contexts = [], [], [], []
         lens = [len(it.token_ids) for it in items]
-        ctx_lens = [it.start + n for it, n in zip(items, lens)]
-        B, Q, T = len(items), max(lens), max(ctx_lens)
-        context_slots = np.zeros((B, T), dtype=np.int64)
-        for b, it in enumerate(items):
-            n = lens[b]
+        firsts = np.cumsum([0] + lens[:-1])
+        for it, n in zip(items, lens):
             ids.extend(it.token_ids)
             positions.extend(it.positions if it.positions is not None else range(it.start, it.start + n))
-            ctx = self.slots(it.block_table, 0, ctx_lens[b])
-            context_slots[b, :ctx_lens[b]] = ctx
-            slot_mapping.append(ctx[it.start:])
-            if self.row_by_row and n <= ROW_BY_ROW_MAX_TOKENS:
-                row_by_row.append(self.rows_of(it, len(ids) - n, ctx))
+            contexts.append(self.slots(it.block_table, 0, it.start + n))
+            slot_mapping.append(contexts[-1][it.start:])
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        has_tree = any(it.tree_mask is not None for it in items)
-        batched = len(row_by_row) < B           # some tokens attend in one batched call: it needs mask and indices
-        if (B == 1 and Q == 1) or not batched:
-            attn_mask = None
-        else:
-            starts = torch.tensor([it.start for it in items], dtype=torch.int64)
-            last_visible = (starts[:, None] + torch.arange(Q)[None, :]).clamp_max(torch.tensor(ctx_lens)[:, None] - 1)
-            attn_mask = torch.arange(T)[None, None, :] <= last_visible[:, :, None]          # [B, Q, T]
-            if has_tree:
-                for b, it in enumerate(items):
-                    if it.tree_mask is not None:
-                        n = lens[b]
-                        attn_mask[b, :n, it.start:it.start + n] = it.tree_mask
-            attn_mask = attn_mask.unsqueeze(1).to(dev)                                      # [B, 1, Q, T]
-        if B == 1 or not batched:
-            query_index = output_index = None
-        else:
-            offsets = np.cumsum([0] + lens[:-1])
-            qi = np.minimum(np.arange(Q)[None, :], np.asarray(lens)[:, None] - 1) + offsets[:, None]
-            query_index = torch.from_numpy(qi).to(dev)
-            output_index = torch.from_numpy(np.concatenate([b * Q + np.arange(n) for b, n in enumerate(lens)])).to(dev)
+        slots = np.concatenate(slot_mapping)
+        # decode and verify rows (a few tokens a sequence) apart from prompt chunks: padded into one call with a
+        # prompt chunk, each short sequence would cost as much attention as the chunk (3.6x a 256-token chunk's
+        # cost beside 7 decoding sequences); the target's runner attends the short ones row by row
+        short = [b for b, n in enumerate(lens) if n <= ROW_BY_ROW_MAX_TOKENS]
+        long = [b for b, n in enumerate(lens) if n > ROW_BY_ROW_MAX_TOKENS]
+        row_by_row = [self.rows_of(items[b], int(firsts[b]), contexts[b]) for b in short] if self.row_by_row else []
+        groups = [g for g in ([long] if self.row_by_row else [short, long]) if g]
+        whole = len(groups) == 1 and len(groups[0]) == len(items)
+        calls = [self.batched_call(items, g, lens, firsts, contexts, whole) for g in groups]
         ctx = ForwardContext(
             positions=positions_t,
-            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
-            context_slots=torch.from_numpy(context_slots).to(dev),
-            attn_mask=attn_mask,
-            query_index=query_index,
-            output_index=output_index,
+            slot_mapping=torch.from_numpy(slots).to(dev),
             kv_cache=self.kv_cache,
-            context_start=self.contiguous_start(items[0].block_table, T) if B == 1 else None,
+            calls=calls,
             row_by_row=row_by_row or None,
+            write_start=int(slots[0]) if len(slots) == 1 or np.all(np.diff(slots) == 1) else None,
         )
         return input_ids, positions_t, ctx
+
+    def batched_call(self, items: list[ForwardItem], group: list[int], lens: list[int], firsts: np.ndarray,
+                     contexts: list[np.ndarray], whole: bool) -> BatchedCall:
+        """The items `group` (indices) attended in one call, each padded to the longest; whole: they are all
+        the forward's items, in order (their rows need no index)."""
+        dev = self.device
+        B, Q, T = len(group), max(lens[b] for b in group), max(len(contexts[b]) for b in group)
+        context_slots = np.zeros((B, T), dtype=np.int64)
+        for i, b in enumerate(group):
+            context_slots[i, :len(contexts[b])] = contexts[b]
+        attn_mask = query_index = output_index = rows = None
+        if B > 1 or Q > 1:
+            starts = torch.tensor([items[b].start for b in group], dtype=torch.int64)
+            ends = torch.tensor([len(contexts[b]) for b in group])
+            last_visible = (starts[:, None] + torch.arange(Q)[None, :]).clamp_max(ends[:, None] - 1)
+            attn_mask = torch.arange(T)[None, None, :] <= last_visible[:, :, None]          # [B, Q, T]
+            for i, b in enumerate(group):
+                if items[b].tree_mask is not None:
+                    attn_mask[i, :lens[b], items[b].start:items[b].start + lens[b]] = items[b].tree_mask
+            attn_mask = attn_mask.unsqueeze(1).to(dev)                                      # [B, 1, Q, T]
+        if B > 1 or not whole:
+            glens, gfirsts = np.asarray([lens[b] for b in group]), firsts[group]
+            qi = np.minimum(np.arange(Q)[None, :], glens[:, None] - 1) + gfirsts[:, None]
+            query_index = torch.from_numpy(qi).to(dev)
+            output_index = torch.from_numpy(np.concatenate([i * Q + np.arange(n) for i, n in enumerate(glens)])).to(dev)
+            if not whole:
+                rows = torch.from_numpy(np.concatenate([f + np.arange(n) for f, n in zip(gfirsts, glens)])).to(dev)
+        return BatchedCall(torch.from_numpy(context_slots).to(dev), attn_mask, query_index, output_index,
+                           self.contiguous_start(items[group[0]].block_table, T) if B == 1 else None, rows, group)
 
     def rows_of(self, item: ForwardItem, first: int, slots: np.ndarray) -> RowByRow:
         """What each new token of `item` sees: a prefix of its context, or (a tree node) the cached tokens, its
