@@ -219,9 +219,8 @@ class LLMEngine:
     def time_forward(self, rows: int, slots: int = 1) -> float:
         """Seconds of one target forward and its logits at `rows` rows, decode-shaped (one token per sequence, as
         a verify step's rows are attended), each attending `slots` cache slots: the policy's calibration, run
-        before any request holds a block (so every block is free to read and write). Each row reads blocks of its
-        own where the cache has room, as sequences do: rows sharing one context read it from the CPU's caches,
-        which made the cost of a slot look like nothing (0.0 us measured, ~1 us a row under load)."""
+        before any request holds a block (every block is free). Each row reads blocks of its own where there is room,
+        as sequences do: rows sharing one context read it from the CPU's caches (a slot then measured 0.0 us, not ~1)."""
         per_row, num_blocks = -(-slots // self.block_manager.block_size), self.block_manager.num_blocks
         items = [ForwardItem([(r * per_row + j) % num_blocks for j in range(per_row)], slots - 1, [0])
                  for r in range(rows)]
