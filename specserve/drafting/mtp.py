@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
-from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains, restart_tail
+from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, draft_chains,
+                                         restart_tail)
 from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
 from specserve.models.loader import read_tensor
@@ -126,8 +127,7 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
-        """Take the step's committed hidden states; catch up now for the sequences that drafted in it (they
-        likely draft next step, from the root this computes) or have a block's worth waiting."""
+        """Take the step's committed hidden states; run the layers over them when `catch_up_now` says."""
         work: list[tuple[Sequence, MTPState]] = []
         for seq, rows in zip(seqs, hidden.rows):
             if seq.is_finished or not rows:
@@ -140,7 +140,7 @@ class MTPProposer(Proposer):
                                    f"{have} slots, the target's rows start at {first}")
             if rows := rows[have - first:]:
                 state.pending.append(hidden.final[rows])   # indexing by a list copies the rows
-            if state.pending and (seq.seq_id in self.drafted or state.num_pending >= self.block_size):
+            if catch_up_now(seq, state.num_pending, self.drafted, self.block_size):
                 work.append((seq, state))
         self.drafted = set()
         self._catch_up(work)

@@ -186,6 +186,14 @@ def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> t
     return block_tails[seq.block_table[start // block_size - 1]].clone()
 
 
+def catch_up_now(seq: Sequence, num_pending: int, drafted: set[int], block_size: int) -> bool:
+    """A drafter that defers its forwards over committed tokens (EAGLE3's head, MTP's layers) runs them after a
+    target forward for a sequence that drafted in it (it likely drafts the next step, from the root this
+    computes) or has a block's worth waiting (a full block enters the prefix cache only with the drafter's K/V);
+    for any other sequence, at its next draft."""
+    return num_pending > 0 and (seq.seq_id in drafted or num_pending >= block_size)
+
+
 class Proposer(ABC):
     """A drafting method.
 
