@@ -34,7 +34,7 @@ def test_prefix_sharing_reference_counts_and_revival():
     bm.allocate(a)
     bm.ensure(a, 10)
     a.num_computed_tokens = 10
-    bm.register(a, 10)                                 # two full blocks hashed, the partial one not
+    bm.register(a, 10, 10)                             # two full blocks hashed, the partial one not
     assert a.num_hashed_blocks == 2
     b = seq_of(list(range(8)) + [99, 98, 97])
     bm.allocate(b)
@@ -51,12 +51,30 @@ def test_prefix_sharing_reference_counts_and_revival():
     assert d.num_cached_tokens == 8 and bm.num_free_blocks == 6
 
 
+def test_blocks_without_the_drafters_kv_are_hit_and_a_drafter_valid_copy_wins_the_hash():
+    bm = BlockManager(num_blocks=12, block_size=4)
+    a, d = seq_of(range(13)), seq_of(range(13))        # admitted together: two copies of the same blocks
+    for s in (a, d):
+        bm.allocate(s)
+        bm.ensure(s, 13)
+    bm.register(a, 12, 4)                              # three blocks hashed, the drafter's K/V in the first only
+    assert [bm.blocks[i].drafter_valid for i in a.block_table] == [True, False, False, False]
+    b = seq_of(range(13))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 12 and b.num_drafter_blocks == 1 and b.num_drafter_computed == 4
+    assert b.block_table == a.block_table[:3]
+    bm.register(d, 12, 12)                             # d's copies hold the drafter's K/V: they win blocks 1-2
+    e = seq_of(range(13))
+    bm.allocate(e)
+    assert e.block_table == a.block_table[:1] + d.block_table[1:3] and e.num_drafter_blocks == 3
+
+
 def test_prefix_hit_leaves_a_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq_of(range(8))
     bm.allocate(a)
     bm.ensure(a, 8)
-    bm.register(a, 8)
+    bm.register(a, 8, 8)
     b = seq_of(range(8))                               # an identical prompt: its last block is recomputed
     bm.allocate(b)
     assert b.num_cached_tokens == 4
@@ -67,7 +85,7 @@ def test_reused_block_loses_its_hash():
     a = seq_of(range(4))
     bm.allocate(a)
     bm.ensure(a, 4)
-    bm.register(a, 4)
+    bm.register(a, 4, 4)
     bm.free(a)
     other = seq_of(range(50, 57))
     bm.allocate(other)

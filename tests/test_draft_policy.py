@@ -100,6 +100,23 @@ def test_failed_probes_back_off_and_a_landed_one_resets():
     assert choices.count(1) == 1
 
 
+def test_a_drafter_far_behind_a_sequence_costs_its_catch_up_and_does_not_probe():
+    """EAGLE3's head (MTP's layers, a draft model) runs over everything it skipped before it drafts again: under
+    load that is a whole prompt, so the first draft token of such a sequence pays it, and probes skip it."""
+    policy = policy_with(lambda rows: 0.010 + 0.0005 * rows, {i: 0.6 for i in range(4)})
+    for _ in range(10):        # 5 draft tokens, 0.2 ms each; a catch-up of 256 tokens, 40 us each, now and then
+        policy.costs.observe_drafter(5, 0.001)
+        policy.costs.observe_drafter(1, 0.0002 + 256 * 40e-6, 256)
+    assert policy.costs.per_draft_token == pytest.approx(2e-4) and policy.costs.per_catch_up_token == pytest.approx(40e-6)
+    caught_up, behind = policy.choose([Candidate(1, 8), Candidate(2, 8, catch_up=256)], fixed_rows=2, num_fixed_tokens=2)
+    assert caught_up > 0 and behind == 0
+    held = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0, 2: 0.0})
+    held.costs.per_catch_up_token = 40e-6
+    choices = [held.choose([Candidate(1, 8), Candidate(2, 8, catch_up=256)], fixed_rows=2, num_fixed_tokens=2)
+               for _ in range(2 * (PROBE_EVERY << MAX_BACKOFF))]
+    assert [c[0] for c in choices].count(1) >= 1 and [c[1] for c in choices].count(1) == 0
+
+
 def test_a_new_sequence_starts_from_the_methods_rate():
     policy = policy_with(lambda rows: 0.01 + 0.0001 * rows, {1: 0.9})
     assert policy.acceptance(99)[0] > 0.8          # learned from sequence 1, through the method-wide prior

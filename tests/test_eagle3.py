@@ -31,7 +31,7 @@ from specserve.train.demo import next_token_loss
 from specserve.train.trainer import StageConfig, train_stage
 
 from conftest import TEXT, make_checkpoint
-from test_spec import PROMPTS, greedy, ids
+from test_spec import PROMPTS, check_hits_past_the_drafters_blocks, greedy, ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype")
 
@@ -330,6 +330,11 @@ def test_head_cache_after_rejections_and_prefix_hits_equals_a_fresh_run(target):
         engine.abort(seq.request_id)
 
 
+def test_head_restarts_past_blocks_cached_without_it(target, plain):
+    llm = LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="eagle3", block_size=4)
+    check_hits_past_the_drafters_blocks(llm, plain, [TEXT[:120], TEXT[300:420]], restarts=True)
+
+
 # ---- exactness -----------------------------------------------------------------------------------
 def test_chain_greedy_equals_plain(eagle, plain):
     expected = ids(plain.generate(PROMPTS, greedy()))
@@ -373,6 +378,7 @@ def test_sampled_output_has_the_target_distribution(eagle, tree, k, monkeypatch)
         costs = eagle.engine.policy.costs
         monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
         monkeypatch.setattr(costs, "per_draft_token", 0.0)
+        monkeypatch.setattr(costs, "per_catch_up_token", 0.0)
         monkeypatch.setattr(costs, "per_row_slot", 0.0)
         for name in ("observe_target", "observe_drafter"):
             monkeypatch.setattr(type(costs), name, lambda self, *args: None)

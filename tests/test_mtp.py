@@ -18,7 +18,7 @@ from specserve.train.cli import main as train_main
 
 from conftest import TEXT, make_checkpoint
 from stats import assert_second_token_is_the_targets
-from test_spec import PROMPTS, damped_pair, greedy, ids  # noqa: F401  (damped_pair is a fixture)
+from test_spec import PROMPTS, check_hits_past_the_drafters_blocks, damped_pair, greedy, ids  # noqa: F401  (damped_pair is a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype")
 NUM_LAYERS = 2
@@ -183,10 +183,10 @@ def test_drafts_equal_a_cache_free_recomputation(trained):
         assert draft == reference_draft(mtp, target, tokens, len(draft))
 
 
-def test_drafts_exact_when_drafting_pauses_and_layers_run_once_per_block(trained):
+def test_drafts_exact_when_drafting_pauses_and_layers_run_only_to_draft(trained, monkeypatch):
     """Steps that draft nothing leave the target's states pending: the layers catch up in one forward when
     drafting resumes, so the drafts still equal a cache-free recomputation; a request that never drafts
-    runs the layers once per block, not once per token."""
+    never runs the layers, unless MAX_PENDING_TOKENS states wait."""
     llm = LLM(str(trained), kv_cache_memory_gb=0.01, block_size=4)
     rng = np.random.default_rng(1)
     llm.engine.policy.choose = lambda candidates, *_: [int(rng.choice([0, 0, 0, c.max_tokens])) for c in candidates]
@@ -200,7 +200,10 @@ def test_drafts_exact_when_drafting_pauses_and_layers_run_once_per_block(trained
     catch_up = proposer._catch_up
     proposer._catch_up = lambda work: (calls.append(len(work)) if work else None, catch_up(work))
     llm.generate(PROMPTS[0], greedy(24, num_assistant_tokens=0))
-    assert 1 <= sum(calls) <= 24 // 4 + 2
+    assert calls == []
+    monkeypatch.setattr("specserve.drafting.proposer.MAX_PENDING_TOKENS", 8)
+    llm.generate(PROMPTS[0] + " again", greedy(24, num_assistant_tokens=0))
+    assert 2 <= sum(calls) <= 6
 
 
 def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):
@@ -233,6 +236,11 @@ def test_prefix_cache_hit_equals_miss(request, model):
         results[caching].append(seen)
     assert results[True] == results[False]
     assert model == "trained" or sum(spec["num_accepted_tokens"] for _, spec in results[True][:-1]) > 0
+
+
+def test_layers_restart_past_blocks_cached_without_them(accurate, plain):
+    llm = LLM(str(accurate), kv_cache_memory_gb=0.01, block_size=4)
+    check_hits_past_the_drafters_blocks(llm, plain, PROMPTS[:2], restarts=True)
 
 
 @pytest.mark.parametrize("settings", [dict(max_num_batched_tokens=7), dict(kv_cache_memory_gb=0.0002, block_size=4)])

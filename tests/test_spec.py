@@ -50,6 +50,40 @@ def ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def check_hits_past_the_drafters_blocks(llm: LLM, plain: LLM, prompts: list[str], restarts: bool) -> None:
+    """A request that drafts nothing caches its prompt's blocks target-only: a later drafting request hits them
+    all, and its drafter restarts past them (`restarts`: EAGLE3, MTP) or catches up over them (a draft model),
+    with plain decoding's output. A request that drafted from scratch caches them with the drafter's K/V: a hit
+    on those resumes the drafter there, as a miss would."""
+    engine, bs = llm.engine, llm.engine.block_manager.block_size
+
+    def run(prompt: str, k: int):
+        seq = engine.add_request(llm.tokenizer.encode(prompt), greedy(24, num_assistant_tokens=k))
+        engine.step()
+        seq.hit_drafter_blocks = seq.num_drafter_blocks          # as allocated (freed blocks count none)
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_token_ids == ids(plain.generate(prompt, greedy(24)))[0]
+        return seq
+    first, fresh = prompts
+    run(first, 0)
+    for again in (False, True):  # the second hit finds the first hit's blocks: target-only after a restart
+        seq = run(first, 3)
+        assert seq.num_cached_tokens >= 8 and seq.spec.num_draft_tokens > 0
+        assert seq.hit_drafter_blocks == (seq.num_cached_tokens // bs if again and not restarts else 0)
+        assert seq.drafter_start == (seq.num_cached_tokens if restarts else 0)
+    drafted = run(fresh, 3)
+    assert drafted.num_cached_tokens == 0 and drafted.spec.num_draft_tokens > 0
+    seq = run(fresh, 3)
+    assert seq.num_cached_tokens >= 8 and seq.drafter_start == 0 and seq.spec.num_draft_tokens > 0
+    assert seq.hit_drafter_blocks * bs == seq.num_cached_tokens
+
+
+def test_draft_model_catches_up_over_blocks_cached_without_it(damped_pair, plain):
+    llm = LLM(str(damped_pair), kv_cache_memory_gb=0.01, speculative_method="draft", block_size=4)
+    check_hits_past_the_drafters_blocks(llm, plain, PROMPTS[:2], restarts=False)
+
+
 def test_greedy_equals_plain_for_every_draft_length(spec_llm, plain):
     expected = ids(plain.generate(PROMPTS, greedy()))
     accepted = 0
@@ -92,7 +126,7 @@ def test_stops_inside_an_accepted_run_cut_exactly(spec_llm, plain):
 
 def test_kv_cache_after_rejection_equals_plain(damped_pair):
     llm = LLM(str(damped_pair), kv_cache_memory_gb=0.01, speculative_method="draft")
-    engine = llm.engine
+    engine, bs = llm.engine, llm.engine.block_manager.block_size
     seq = engine.add_request(llm.tokenizer.encode(PROMPTS[1]), greedy(60, num_assistant_tokens=4))
     rejected = False
     while not seq.is_finished:

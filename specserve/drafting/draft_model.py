@@ -107,3 +107,6 @@ class DraftModelProposer(Proposer):
 
     def on_finished(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return max(0, seq.num_computed_tokens - seq.num_drafter_computed)

@@ -4,9 +4,10 @@ The head's paged KV cache shares the target's block tables. Slot j holds the hea
 (fc(target states at j-1), token j) at rotary position j-1, whose output predicts token j+1; slot 0
 holds nothing and is masked. A slot therefore depends only on tokens up to its own, so full blocks
 are valid prefix-cache entries for the head too; the fc(states) at the last slot of every full block
-(`block_tails`) lets a cache hit resume where a miss would. After every target forward the head
-takes the committed tokens' fc(states); it runs over them (keeping `tail`, the fc(states) its next slot
-reads) when the sequence drafted in that step, when a block's worth waits, or before its next draft.
+(`block_tails`) lets a cache hit resume where a miss would, or restart past blocks cached without the
+head's K/V (`proposer.restart_at`: slots before seq.drafter_start masked too). The head takes each target
+forward's committed fc(states) and runs over them (keeping `tail`, what its next slot reads) as
+`proposer.catch_up_now` says.
 
 A draft is a tree grown level by level (a chain is the tree with branching 1 and depth k): the root
 forward runs the last token from the tail; a drafted node feeds the head its parent's pre-norm output
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
-from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, restart_tail
+from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, restart_at,
+                                         restart_tail)
 from specserve.drafting.eagle3_check import check_acceptance
 from specserve.drafting.tree import GrowingTree, check_tree_shape
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
@@ -38,8 +40,7 @@ class HeadState:
     num_computed: int                      # head slots [1, num_computed) hold K/V (== seq.num_drafter_computed)
     tail: torch.Tensor | None              # [H] fc(target states) at num_computed - 1: what the next slot reads
     root: torch.Tensor | None = None       # [H] the head's output at slot num_computed (the last token), once run
-    pending: list[torch.Tensor] = field(default_factory=list)   # fc(target states) at num_computed on:
-    #                                        committed, not yet fed to the head
+    pending: list[torch.Tensor] = field(default_factory=list)   # fc(target states) from num_computed, not run
 
     @property
     def num_pending(self) -> int:
@@ -95,43 +96,43 @@ class Eagle3Proposer(Proposer):
 
     def _forward(self, items: list[ForwardItem], hidden: torch.Tensor,
                  earlier_nodes: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Head forward over the items' new slots; hidden [N, H] is what each new slot reads. Slot 0 is
-        masked. earlier_nodes[b] [n, m]: which of the m slots just before item b's start (tree nodes fed
-        at earlier levels) each of its n new nodes may see."""
+        """Head forward over the items' new slots; hidden [N, H] is what each new slot reads. earlier_nodes[b]
+        [n, m]: which of the m slots just before item b's start (tree nodes fed at earlier levels) each sees."""
         input_ids, positions, ctx = self.runner.prepare(items)
-        for call in ctx.calls:
-            if call.attn_mask is None:                              # one item, one slot: it sees everything
-                call.attn_mask = torch.ones(1, 1, 1, items[call.items[0]].start + 1, dtype=torch.bool, device=self.device)
-            call.attn_mask[..., 0] = False
-            for i, b in enumerate(call.items if earlier_nodes else []):
+        for call in ctx.calls if earlier_nodes else []:
+            for i, b in enumerate(call.items):
                 seen, start = earlier_nodes[b], items[b].start
                 call.attn_mask[i, 0, :seen.shape[0], start - seen.shape[1]:start] = seen.to(self.device)
         return self.head(input_ids, hidden, positions, ctx)
 
     # ---- catching up on the target ---------------------------------------------------------------
-    def _state(self, seq: Sequence) -> HeadState | None:
-        """Where the head resumes: its own state, or a restart where the engine reset the count (a new
-        sequence, a preemption, a prefix-cache hit: the hit's last block holds the tail)."""
-        state, start = self.states.get(seq.seq_id), seq.num_drafter_computed
-        if state is not None and state.num_computed == start:
+    def _state(self, seq: Sequence, first_row: int) -> HeadState | None:
+        """Where the head resumes, the target's committed rows starting at first_row: its own state, or a restart
+        where the engine reset the count (a new sequence, a preemption, a prefix-cache hit: the hit's last block
+        holds the tail). None: a gap the head cannot fill (mid-block: no tail there); it stops drafting."""
+        state = self.states.get(seq.seq_id)
+        if state is not None and state.num_computed == seq.num_drafter_computed \
+                and state.num_computed + state.num_pending == first_row:
             return state
-        if start == 0:
-            return HeadState(0, None)
+        start = restart_at(seq, first_row)
         tail = restart_tail(self.block_tails, seq, self.block_size)
-        return None if tail is None else HeadState(start, tail)
+        return HeadState(0, None) if start == 0 else None if tail is None else HeadState(start, tail)
+
+    @staticmethod
+    def _item(seq: Sequence, *fields) -> ForwardItem:       # the head reads its cache from slot 1 or drafter_start
+        return ForwardItem(*fields, context_from=max(1, seq.drafter_start))
 
     @torch.inference_mode()
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
-        """Take the step's committed target states (fc applied); the head runs over them when `catch_up_now`
-        says. A sequence the policy holds at 0 costs one fc row a token, not a head forward a step (3.5 ms a
-        step at 8 decoding sequences, a tenth of the target's)."""
+        """Take the step's committed target states (fc applied); the head runs over them when `catch_up_now` says:
+        a sequence the policy holds at 0 costs one fc row a token, not a head forward over every token."""
         work, rows = [], []
         for seq, seq_rows in zip(seqs, hidden.rows):
             if seq.is_finished or not seq_rows:
                 continue
-            state = self._state(seq)
-            if state is None or state.num_computed + state.num_pending != seq.num_computed_tokens - len(seq_rows):
-                self.states.pop(seq.seq_id, None)       # a gap the head cannot fill: it stops drafting here
+            state = self._state(seq, seq.num_computed_tokens - len(seq_rows))
+            if state is None:
+                self.states.pop(seq.seq_id, None)
                 continue
             work.append((seq, state, len(seq_rows)))
             rows.extend(seq_rows)
@@ -146,14 +147,13 @@ class Eagle3Proposer(Proposer):
                         self.block_tails[seq.block_table[p // self.block_size]] = fed[p - start]
                 state.pending.append(fed)
                 self.states[seq.seq_id] = state
-                if catch_up_now(seq, state.num_pending, self.drafted, self.block_size):
+                if catch_up_now(seq, state.num_pending, self.drafted):
                     catch_up.append((seq, state))
         self.drafted = set()
         self._catch_up(catch_up)
 
     def _catch_up(self, work: list[tuple[Sequence, HeadState]]) -> None:
-        """The head over each sequence's pending slots, and its last token's slot (the next draft's root) where
-        the sequence decodes and that slot's block exists."""
+        """The head over each sequence's pending slots, and its last token's (the next root) where its block exists."""
         items, inputs, owners = [], [], []
         for seq, state in work:
             fed = torch.cat(state.pending)
@@ -163,7 +163,7 @@ class Eagle3Proposer(Proposer):
             last = end + 1 if with_root else end
             first = last - len(reads)                               # slot 1 when starting from nothing
             if len(reads):
-                items.append(ForwardItem(seq.block_table, first, seq.token_ids[first:last], list(range(first - 1, last - 1))))
+                items.append(self._item(seq, seq.block_table, first, seq.token_ids[first:last], list(range(first - 1, last - 1))))
                 inputs.append(reads)
                 owners.append((state, with_root))
             state.num_computed, state.tail, state.root, state.pending = end, fed[-1], None, []
@@ -177,6 +177,9 @@ class Eagle3Proposer(Proposer):
 
     def on_finished(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return state.num_pending if (state := self.states.get(seq.seq_id)) is not None else 0
 
     # ---- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -208,8 +211,8 @@ class Eagle3Proposer(Proposer):
         states = [self.states[seqs[i].seq_id] for i in owners]
         missing = [(i, state) for i, state in zip(owners, states) if state.root is None]
         if missing:   # the last token's slot was not in the block table at catch-up time
-            items = [ForwardItem(tables[i], seqs[i].num_computed_tokens, [seqs[i].last_token],
-                                 [seqs[i].num_computed_tokens - 1]) for i, _ in missing]
+            items = [self._item(seqs[i], tables[i], seqs[i].num_computed_tokens, [seqs[i].last_token],
+                                [seqs[i].num_computed_tokens - 1]) for i, _ in missing]
             out = self._forward(items, torch.stack([state.tail for _, state in missing]))
             for (_, state), row in zip(missing, out):
                 state.root = row
@@ -268,9 +271,9 @@ class Eagle3Proposer(Proposer):
         for i, nodes in groups.items():
             seq, tree = seqs[i], trees[i]
             start = seq.num_computed_tokens + 1 + len(tree.fed)     # after the root's slot and earlier nodes
-            items.append(ForwardItem(tables[i], start, [tree.tokens[j] for j in nodes],
-                                     [seq.num_computed_tokens - 1 + level] * len(nodes),
-                                     torch.eye(len(nodes), dtype=torch.bool)))
+            items.append(self._item(seq, tables[i], start, [tree.tokens[j] for j in nodes],
+                                    [seq.num_computed_tokens - 1 + level] * len(nodes),
+                                    torch.eye(len(nodes), dtype=torch.bool)))
             inputs.extend(tree.outputs[tree.parents[j]] if tree.parents[j] >= 0 else tree.root_output for j in nodes)
             seen.append(torch.tensor([[tree.is_ancestor(f, j) for f in tree.fed] for j in nodes], dtype=torch.bool))
         out = self._forward(items, torch.stack(inputs), seen)                                    # [n, H]

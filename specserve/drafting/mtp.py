@@ -11,9 +11,10 @@ Where its block exists, the catch-up also runs the last token's slot, so the fir
 forward of its own (`root`).
 
 A sequence that did not draft in a step does not catch up after it: the target's hidden states of its new
-tokens wait in `pending` until it drafts again (the catch-up then runs them in one forward) or a block's
-worth has gathered. With "auto" choosing 0 for most steps, or a request that drafts nothing, the layers cost
-one chunk forward per block instead of a forward per token.
+tokens wait in `pending` until it drafts again (the catch-up then runs them in one forward; see
+`proposer.catch_up_now`). With "auto" choosing 0, or a request that drafts nothing, the layers cost nothing.
+After a prefix-cache hit on blocks cached without the layers' K/V, they restart past them
+(`proposer.restart_at`), reading their own cache from seq.drafter_start on.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, draft_chains,
-                                         restart_tail)
+                                         restart_at, restart_tail)
 from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
 from specserve.models.loader import read_tensor
@@ -107,17 +108,19 @@ class MTPProposer(Proposer):
         kv_bytes = kv_cache_bytes_per_token(N, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
         return kv_bytes + math.ceil(tail_bytes / ctx.block_size)
 
-    def _state(self, seq: Sequence) -> MTPState:
-        """The sequence's state, restarted where the engine reset its count (a new sequence, a preemption,
-        a prefix-cache hit: the hit's last block holds the tails), or holds more than the target computed."""
+    def _state(self, seq: Sequence, first_row: int) -> MTPState:
+        """The sequence's state, holding the target's states up to its rows from first_row at least, or restarted
+        where the engine reset its count (a new sequence, a preemption, a prefix-cache hit: the hit's last block
+        holds the tails; past the layers' K/V only the target's state there is known, the rest reads nothing)."""
         state = self.states.get(seq.seq_id)
-        start = seq.num_drafter_computed
-        if state is None or state.num_computed != start or start + state.num_pending > seq.num_computed_tokens:
-            if start == 0:
+        if state is None or state.num_computed != seq.num_drafter_computed \
+                or not first_row <= state.num_computed + state.num_pending <= seq.num_computed_tokens:
+            start = restart_at(seq, first_row)
+            tails = restart_tail(self.block_tails, seq, self.block_size)
+            if tails is None:
                 tails = self.block_tails.new_zeros(self.block_tails.shape[1:])
-            else:
-                tails = restart_tail(self.block_tails, seq, self.block_size)
-                assert tails is not None, "a restarted drafter count is a cached prefix of whole blocks"
+            elif seq.drafter_start:
+                tails[1:] = 0
             state = self.states[seq.seq_id] = MTPState(start, tails)
         return state
 
@@ -132,15 +135,14 @@ class MTPProposer(Proposer):
         for seq, rows in zip(seqs, hidden.rows):
             if seq.is_finished or not rows:
                 continue
-            state = self._state(seq)
-            have = state.num_computed + state.num_pending       # slots whose target state is held
             first = seq.num_computed_tokens - len(rows)         # slot of the first committed row
-            if first > have:
-                raise RuntimeError(f"MTP cache of sequence {seq.seq_id} fell behind: it holds "
-                                   f"{have} slots, the target's rows start at {first}")
+            state = self._state(seq, first)
+            have = state.num_computed + state.num_pending       # slots whose target state is held
             if rows := rows[have - first:]:
-                state.pending.append(hidden.final[rows])   # indexing by a list copies the rows
-            if catch_up_now(seq, state.num_pending, self.drafted, self.block_size):
+                state.pending.append(fed := hidden.final[rows])   # indexing by a list copies the rows
+                for p in range(have + (-have - 1) % self.block_size, have + len(fed), self.block_size):
+                    self.block_tails[seq.block_table[p // self.block_size], 0] = fed[p - have]   # a restart point
+            if catch_up_now(seq, state.num_pending, self.drafted):
                 work.append((seq, state))
         self.drafted = set()
         self._catch_up(work)
@@ -154,8 +156,8 @@ class MTPProposer(Proposer):
         roots = [len(seq) == seq.num_computed_tokens + 1 and len(seq) <= len(seq.block_table) * self.block_size
                  for seq, _ in work]
         items = [ForwardItem(seq.block_table, state.num_computed,
-                             seq.token_ids[state.num_computed:seq.num_computed_tokens + root])
-                 for (seq, state), root in zip(work, roots)]
+                             seq.token_ids[state.num_computed:seq.num_computed_tokens + root],
+                             context_from=seq.drafter_start) for (seq, state), root in zip(work, roots)]
         input_ids, positions, ctx = self.runner.prepare(items)
         embeds = self._embed(input_ids, positions)
         # sources[i]: what the current layer reads for sequence i, at slots num_computed - 1 .. end - 1
@@ -165,7 +167,8 @@ class MTPProposer(Proposer):
         for layer in range(self.mtp.num_layers):
             for i, (seq, state) in enumerate(work):
                 new_tails[i].append(sources[i][-1])
-                self._keep_block_tails(seq, state.num_computed, layer, sources[i])
+                if layer:                   # the target's states: kept as they arrived
+                    self._keep_block_tails(seq, state.num_computed, layer, sources[i])
             reads = [src if root else src[:-1] for src, root in zip(sources, roots)]
             out = self.mtp(layer, embeds, torch.cat(reads), positions, ctx).split([len(r) for r in reads])
             for i, root in enumerate(roots):
@@ -189,7 +192,7 @@ class MTPProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         N = self.mtp.num_layers
-        states = [self._state(seq) for seq in seqs]
+        states = [self._state(seq, seq.num_computed_tokens) for seq in seqs]
         self._catch_up([(seq, st) for seq, st in zip(seqs, states) if st.pending])
         self.drafted = {seq.seq_id for seq in seqs}
         assert all(st.num_computed == len(seq) - 1 for st, seq in zip(states, seqs)), "drafting sequences are caught up"
@@ -207,12 +210,14 @@ class MTPProposer(Proposer):
                     first = c + (state.root is not None)
                     before = state.tails[step:step + 1] if state.root is None else state.root[step - 1:step]
                     if first <= c + step:
-                        item = ForwardItem(seq.block_table, first, ([seq.last_token] + drafts[i])[first - c:])
+                        item = ForwardItem(seq.block_table, first, ([seq.last_token] + drafts[i])[first - c:],
+                                           context_from=seq.drafter_start)
                         runs.append((i, item, torch.cat([before, outputs[i]])))
                     else:      # step 0, done by the catch-up
                         outputs[i], last[i] = state.root[:0], state.root[0]
                 else:          # the last layer again, one slot further, on its own previous output
-                    runs.append((i, ForwardItem(seq.block_table, c + step, drafts[i][-1:]), last[i][None]))
+                    runs.append((i, ForwardItem(seq.block_table, c + step, drafts[i][-1:],
+                                                context_from=seq.drafter_start), last[i][None]))
             if runs:
                 input_ids, positions, ctx = self.runner.prepare([item for _, item, _ in runs])
                 out = self.mtp(layer, self._embed(input_ids, positions), torch.cat([r for _, _, r in runs]), positions, ctx)
@@ -225,3 +230,6 @@ class MTPProposer(Proposer):
 
     def on_finished(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return state.num_pending if (state := self.states.get(seq.seq_id)) is not None else 0

@@ -186,12 +186,28 @@ def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> t
     return block_tails[seq.block_table[start // block_size - 1]].clone()
 
 
-def catch_up_now(seq: Sequence, num_pending: int, drafted: set[int], block_size: int) -> bool:
+# the committed tokens a deferring drafter holds per sequence before it runs over them anyway (1.2 MB of bf16
+# states a sequence at width 576): below it, a prompt costs the drafter nothing until the sequence drafts
+MAX_PENDING_TOKENS = 1024
+
+
+def catch_up_now(seq: Sequence, num_pending: int, drafted: set[int]) -> bool:
     """A drafter that defers its forwards over committed tokens (EAGLE3's head, MTP's layers) runs them after a
     target forward for a sequence that drafted in it (it likely drafts the next step, from the root this
-    computes) or has a block's worth waiting (a full block enters the prefix cache only with the drafter's K/V);
-    for any other sequence, at its next draft."""
-    return num_pending > 0 and (seq.seq_id in drafted or num_pending >= block_size)
+    computes) or holds MAX_PENDING_TOKENS; for any other sequence, at its next draft. A sequence "auto" holds at
+    0 (a loaded server) never pays for the drafter over its prompt; its blocks enter the prefix cache
+    target-only (engine/block_manager.py)."""
+    return num_pending > 0 and (seq.seq_id in drafted or num_pending >= MAX_PENDING_TOKENS)
+
+
+def restart_at(seq: Sequence, first_row: int) -> int:
+    """Where a deferring drafter with no state for a sequence restarts, the target's rows starting at first_row:
+    at seq.num_drafter_computed (0, or a prefix-cache hit's drafter-valid blocks) when they start there, as a
+    cache miss would. Otherwise (a hit on target-only blocks) at first_row, its own cache read from there on
+    only (seq.drafter_start): its drafts see less context until it has more; verification keeps them exact."""
+    if seq.num_drafter_computed != first_row:
+        seq.num_drafter_computed = seq.drafter_start = first_row
+    return first_row
 
 
 class Proposer(ABC):
@@ -246,6 +262,11 @@ class Proposer(ABC):
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
         """Called after every target forward, once its drafts are verified, with the hidden states
         of the committed tokens (heads that read the target's states catch up here)."""
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Committed tokens the drafter would run over before its next draft for seq (what drafting after a
+        pause costs beyond the draft itself: the policy weighs it)."""
+        return 0
 
     def on_finished(self, seq: Sequence) -> None:
         """Called once when a sequence finishes or is aborted."""

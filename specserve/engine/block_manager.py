@@ -3,6 +3,11 @@
 Only full blocks of committed tokens are hashed; a block's hash chains from the previous block's,
 so equal hashes mean equal whole prefixes. Freed blocks keep their hash until they are reused,
 which is what makes a later request with the same prefix a cache hit.
+
+A drafter with its own cache (EAGLE3's head, MTP's layers, a draft model) fills it only for sequences that
+draft, so a block is registered once the target's K/V are in, and marked `drafter_valid` once the drafter's
+are too (a drafter-valid block wins a hash over a target-only one). A hit's leading drafter-valid blocks are
+what the drafter resumes from; past them it catches up, or restarts there (proposer.py).
 """
 from __future__ import annotations
 
@@ -16,13 +21,14 @@ class NoFreeBlocks(RuntimeError):
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "drafter_valid")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
         self.token_ids: tuple[int, ...] = ()
+        self.drafter_valid = False
 
 
 def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -62,7 +68,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids, block.ref_count = -1, (), 1
+        block.hash, block.token_ids, block.ref_count, block.drafter_valid = -1, (), 1, False
         return block_id
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -100,7 +106,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_hashed_blocks = len(hits)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_drafter_computed = seq.num_computed_tokens
+        seq.num_drafter_blocks = next((i for i, b in enumerate(hits) if not self.blocks[b].drafter_valid), len(hits))
+        seq.num_drafter_computed, seq.drafter_start = seq.num_drafter_blocks * self.block_size, 0
 
     def _run_start(self, length: int) -> int | None:
         """The oldest free block that starts a run of `length` free blocks (a new sequence's first block, so
@@ -129,12 +136,13 @@ class BlockManager:
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
         seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
+        seq.num_drafter_blocks = min(seq.num_drafter_blocks, keep)
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table = []
-        seq.num_hashed_blocks = 0
+        seq.num_hashed_blocks = seq.num_drafter_blocks = 0
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -143,8 +151,9 @@ class BlockManager:
             self.free_block_ids.append(block_id)
 
     # ---- prefix caching ---------------------------------------------------------------------
-    def register(self, seq: Sequence, num_valid_tokens: int) -> None:
-        """Hash the full blocks among the first num_valid_tokens tokens, whose K/V every cache holds."""
+    def register(self, seq: Sequence, num_valid_tokens: int, num_drafter_tokens: int) -> None:
+        """Hash the full blocks among the first num_valid_tokens tokens (their K/V are in the target's cache), and
+        mark those among the first num_drafter_tokens drafter-valid (the drafter's cache holds them too)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_valid_tokens // self.block_size, len(seq.block_table))
@@ -156,3 +165,10 @@ class BlockManager:
             block.hash, block.token_ids = h, tokens
             self.hash_to_block.setdefault(h, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+        for i in range(seq.num_drafter_blocks, min(num_drafter_tokens // self.block_size, seq.num_hashed_blocks)):
+            block = self.blocks[seq.block_table[i]]
+            block.drafter_valid = True
+            holder = self.hash_to_block.get(block.hash)
+            if holder is None or not self.blocks[holder].drafter_valid:
+                self.hash_to_block[block.hash] = block.block_id
+            seq.num_drafter_blocks = i + 1

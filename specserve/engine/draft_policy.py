@@ -7,12 +7,15 @@ accepted given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits 
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + c * sum_i k_i,      R = decode-shaped rows (1 + k_i per decoding sequence, plus
-                                               fixed drafts)
+    S(k) = T(R) + s * L + c * sum_i k_i + r * sum_{i: k_i > 0} u_i,      R = decode-shaped rows (1 + k_i per
+                                               decoding sequence, plus fixed drafts)
 
 where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row
 attends its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per
-slot, and c the drafter's time per draft token. At a few hundred slots a context, s * L is most of what a
+slot, c the drafter's time per draft token, and r its time per token u_i it must catch up on before drafting
+for sequence i again (a drafter that skips sequences held at 0: EAGLE3's head and MTP's layers over the
+target's states they hold, a draft model over the tokens it has not seen; on a loaded server, a whole
+prompt). At a few hundred slots a context, s * L is most of what a
 verify row costs on a CPU (every decode row is attended on its own, so that its bits do not depend on its
 neighbours), and it grows with the batch's contexts, not with R alone. The prompt-chunk rows a step may also
 carry are left out of S: their time is spent whatever is drafted, and counting it would lower the step's ratio
@@ -21,20 +24,23 @@ prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence w
 fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda decoding
 would reach alone, the renewal-reward view of a long run of steps. The policy
 picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in
-descending order of g over the whole batch visits, for every total n, the allocation with the most expected
-tokens at that cost (S depends on n only); G is evaluated at every n at once and the best n taken. Cheap verify
-rows and high acceptance give long chains; a large batch (T steep in R) with low acceptance gives 0.
+descending order of g per cost over the whole batch (a token's verify row, slots and draft, plus r * u_i spread
+over the sequence's cap) visits, for every total n, about the allocation with the most expected tokens at that
+cost; G is evaluated exactly at every n at once and the best n taken. Cheap verify rows and high acceptance
+give long chains; a large batch (T steep in R) with low acceptance gives 0.
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
 (itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
 counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
 (`calibrate`); T is corrected after every decode-only step from its measured time less s * L;
 P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of
-what such steps took beyond T and s * L; c a running mean of propose() time per draft
-token. A sequence held at 0 drafts one token every PROBE_EVERY steps, so its estimate can recover (the explore
-step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY << MAX_BACKOFF
-steps, because a probe is not free: a verify row over the whole context and a drafter forward, which at 32
-sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed.
+what such steps took beyond T and s * L; c and r a least-squares fit of propose() times to its draft tokens
+and caught-up tokens, over recent calls. A sequence held at 0 drafts one token every PROBE_EVERY steps, so its
+estimate can recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait,
+up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
+drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent
+of plain decoding's speed. For the same reason a sequence probes only while its catch-up (r * u_i) costs no
+more than the probe's verify row: under load, probes would make every sequence pay the drafter over its prompt.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
@@ -84,7 +90,10 @@ class StepCosts:
     seconds: np.ndarray | None = None
     per_row_slot: float = 0.0
     per_draft_token: float = 0.0
+    per_catch_up_token: float = 0.0
     num_draft_samples: int = 0
+    # decayed [x x^T | x * seconds] of propose() calls, x = (draft tokens, caught-up tokens): c and r's fit
+    drafter_moments: np.ndarray = field(default_factory=lambda: np.zeros((2, 3)))
     per_prompt_row: float = 0.0
     num_prompt_samples: int = 0
 
@@ -122,12 +131,23 @@ class StepCosts:
             self.seconds[j] *= ratio ** (TIME_RATE * w)
         self.seconds = np.maximum.accumulate(self.seconds)     # more rows never cost less
 
-    def observe_drafter(self, num_tokens: int, seconds: float) -> None:
+    def observe_drafter(self, num_tokens: int, seconds: float, num_catch_up: int = 0) -> None:
+        """A propose() call's time, ~ c * num_tokens + r * num_catch_up: c and r refitted (non-negative) over the
+        recent calls; r keeps its value while no recent call caught up on anything."""
         if num_tokens <= 0:
             return
         self.num_draft_samples += 1
         rate = max(TIME_RATE, 1 / self.num_draft_samples)
-        self.per_draft_token += rate * (seconds / num_tokens - self.per_draft_token)
+        x = np.array([num_tokens, num_catch_up], dtype=float)
+        self.drafter_moments = (1 - rate) * self.drafter_moments + rate * np.outer(x, [*x, seconds])
+        (a, ab), (_, b) = self.drafter_moments[:, :2]
+        y = self.drafter_moments[:, 2]
+        det = a * b - ab * ab
+        c, r = ((y[0] * b - ab * y[1]) / det, (a * y[1] - ab * y[0]) / det) if det > 1e-6 * a * b else (-1.0, -1.0)
+        if c >= 0 and r >= 0:
+            self.per_draft_token, self.per_catch_up_token = c, r
+        else:           # no catch-up to separate (or a fit below 0 in one term): the other term takes all of it
+            self.per_draft_token = max(0.0, y[0] - ab * self.per_catch_up_token) / a
 
 
 @dataclass(slots=True)
@@ -145,11 +165,13 @@ class DraftGauges:
 
 @dataclass(slots=True)
 class Candidate:
-    """A decoding sequence the policy chooses for: its id, the most it may draft this step, and the slots its
-    last token's row attends (its draft token j attends context + j)."""
+    """A decoding sequence the policy chooses for: its id, the most it may draft this step, the slots its last
+    token's row attends (its draft token j attends context + j), and the tokens the drafter must catch up on
+    before it drafts for it (Proposer.catch_up_tokens)."""
     seq_id: int
     max_tokens: int
     context: int = 0
+    catch_up: int = 0
 
 
 class DraftPolicy:
@@ -195,22 +217,31 @@ class DraftPolicy:
         caps = np.array([min(c.max_tokens, K) for c in candidates])
         gains = np.cumprod(np.stack([self.acceptance(c.seq_id) for c in candidates]), axis=1)   # [B, K]
         gains[np.arange(K)[None, :] >= caps[:, None]] = -1.0
-        order = np.argsort(-gains, axis=None, kind="stable")
+        contexts = np.array([c.context for c in candidates], dtype=float)
+        catch_up = np.array([c.catch_up for c in candidates], dtype=float) * self.costs.per_catch_up_token
+        costs = self.costs
+        unit = float(costs.target(fixed_rows + 1) - costs.target(fixed_rows)) + costs.per_draft_token \
+            + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (catch_up / np.maximum(caps, 1))[:, None]
+        order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
         sorted_gains = gains.reshape(-1)[order]
         usable = int((sorted_gains >= 0).sum())
         n = np.arange(usable + 1)
         expected = num_fixed_tokens + np.concatenate([[0.0], np.cumsum(sorted_gains[:usable])])
         # the slots each added draft token attends, in the order they are added: context + position
-        contexts = np.array([c.context for c in candidates], dtype=float)
         added = contexts[order[:usable] // K] + order[:usable] % K + 1
         slots = fixed_slots + np.concatenate([[0.0], np.cumsum(added)])
-        seconds = self.costs.target(fixed_rows + n) + self.costs.per_row_slot * slots + self.costs.per_draft_token * n
+        first_tokens = np.where(order[:usable] % K == 0, catch_up[order[:usable] // K], 0.0)   # a sequence's first
+        seconds = self.costs.target(fixed_rows + n) + self.costs.per_row_slot * slots + self.costs.per_draft_token * n \
+            + np.concatenate([[0.0], np.cumsum(first_tokens)])
         best = int(np.argmax(expected / seconds))
         lengths = np.zeros(len(candidates), dtype=int)
         np.add.at(lengths, order[:best] // K, 1)
+        rows = fixed_rows + int(lengths.sum())      # a probe's verify row: what one more row and its slots cost
+        verify_row = float(self.costs.target(rows + 1) - self.costs.target(rows)) + self.costs.per_row_slot * contexts
         for i, c in enumerate(candidates):      # explore: a sequence held at 0 probes one token now and then
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
-            if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0:
+            if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0 \
+                    and catch_up[i] <= verify_row[i]:
                 lengths[i], idle = 1, 0
             self.idle_steps[c.seq_id] = idle
         return lengths.tolist()
@@ -231,18 +262,23 @@ class DraftPolicy:
         self.failed_probes.pop(seq_id, None)
 
 
-def choose_draft_lengths(policy: DraftPolicy, scheduled: list) -> None:
+def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda seq: 0) -> int:
     """The "auto" sequences' num_draft_tokens in a step (engine/scheduler.py ScheduledSeq; the scheduler reserved
-    their longest): the policy's choice for the whole step."""
+    their longest): the policy's choice for the whole step. catch_up(seq): Proposer.catch_up_tokens. Returns the
+    tokens the drafter catches up on for the step's drafting sequences (for the fit of r)."""
     auto = [s for s in scheduled if s.num_draft_tokens > 0 and s.seq.params.auto_draft]
-    if not auto:
-        return
+    if auto:
+        choose_auto(policy, scheduled, auto, catch_up)
+    return sum(catch_up(s.seq) for s in scheduled if s.num_draft_tokens > 0)
+
+
+def choose_auto(policy: DraftPolicy, scheduled: list, auto: list, catch_up) -> None:
     decoding = [s for s in scheduled if s.num_new == 1]
     fixed = [1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding]
     fixed_slots = sum(row_slots(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed))
     num_sampling = sum(s.completes_prompt for s in scheduled)
-    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1) for s in auto],
-                            sum(fixed), num_sampling, fixed_slots)
+    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1,
+                                       catch_up(s.seq)) for s in auto], sum(fixed), num_sampling, fixed_slots)
     for s, k in zip(auto, lengths):
         s.num_draft_tokens = k
 

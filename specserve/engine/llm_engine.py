@@ -198,7 +198,7 @@ class LLMEngine:
         return outputs
 
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
-        choose_draft_lengths(self.policy, scheduled)
+        num_catch_up = choose_draft_lengths(self.policy, scheduled, self.proposer.catch_up_tokens)
         start = time.perf_counter()
         draft = cut_at_grammar(self.propose(scheduled), [s.seq for s in scheduled])
         drafted = time.perf_counter()
@@ -206,7 +206,7 @@ class LLMEngine:
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
         verified = self.verify(scheduled, draft, hidden)
         observe_step_time(self.policy, scheduled, items, time.perf_counter() - drafted)
-        self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start)
+        self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start, num_catch_up)
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
         self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
@@ -295,6 +295,5 @@ class LLMEngine:
         if seq.is_finished:
             return
         valid = seq.num_computed_tokens
-        if self.proposer.uses_kv_cache:
-            valid = min(valid, seq.num_drafter_computed)
-        self.block_manager.register(seq, valid)
+        self.block_manager.register(seq, valid, min(valid, seq.num_drafter_valid) if self.proposer.uses_kv_cache
+                                    else valid)

@@ -25,6 +25,7 @@ class ForwardItem:
     token_ids: list[int]
     positions: list[int] | None = None       # rotary positions; None: start, start + 1, ...
     tree_mask: torch.Tensor | None = None    # [n, n] bool among the new tokens; None: causal chain
+    context_from: int = 0                    # cache indices before it are not attended (a drafter's empty slots)
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -114,7 +115,7 @@ class ModelRunner:
         for i, b in enumerate(group):
             context_slots[i, :len(contexts[b])] = contexts[b]
         attn_mask = query_index = output_index = rows = None
-        if B > 1 or Q > 1:
+        if B > 1 or Q > 1 or any(items[b].context_from for b in group):
             starts = torch.tensor([items[b].start for b in group], dtype=torch.int64)
             ends = torch.tensor([len(contexts[b]) for b in group])
             last_visible = (starts[:, None] + torch.arange(Q)[None, :]).clamp_max(ends[:, None] - 1)
@@ -122,6 +123,7 @@ class ModelRunner:
             for i, b in enumerate(group):
                 if items[b].tree_mask is not None:
                     attn_mask[i, :lens[b], items[b].start:items[b].start + lens[b]] = items[b].tree_mask
+                attn_mask[i, :, :items[b].context_from] = False
             attn_mask = attn_mask.unsqueeze(1).to(dev)                                      # [B, 1, Q, T]
         if B > 1 or not whole:
             glens, gfirsts = np.asarray([lens[b] for b in group]), firsts[group]

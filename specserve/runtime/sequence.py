@@ -83,6 +83,11 @@ class SeqSnapshot:
         return len(self.prompt_token_ids)
 
     @property
+    def num_drafter_valid(self) -> int:
+        """Leading tokens whose K/V the drafter's cache holds from a full history: what a prefix-cache hit resumes."""
+        return 0 if self.drafter_start else self.num_drafter_computed
+
+    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -105,8 +110,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
         self.num_drafter_computed = 0         # tokens whose K/V a drafter's own cache holds
+        self.drafter_start = 0                # its first valid slot: > 0 after a restart past its K/V (proposer.py)
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0            # leading blocks registered in the prefix cache
+        self.num_drafter_blocks = 0           # of those, leading blocks registered with the drafter's K/V too
         self.output_text = ""                 # detokenized output, stop strings cut
         self.num_emitted_chars = 0            # of output_text, already returned to the caller
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -134,6 +141,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def num_drafter_valid(self) -> int:
+        """Leading tokens whose K/V the drafter's cache holds from a full history: what a prefix-cache hit resumes."""
+        return 0 if self.drafter_start else self.num_drafter_computed
 
     @property
     def is_finished(self) -> bool:
