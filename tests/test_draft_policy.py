@@ -70,10 +70,12 @@ def test_a_prompt_chunk_in_the_step_does_not_buy_longer_drafts():
     def step(with_prompt: bool) -> list[int]:
         policy = policy_with(lambda rows: 0.02 + 0.001 * rows, {i: 0.5 for i in range(8)}, per_row_slot=2e-6)
         policy.costs.per_prompt_row = 0.002                       # a 256-row chunk: 0.5 s, 25 decode steps' worth
-        params = SimpleNamespace(auto_draft=True)
-        decoding = [SimpleNamespace(seq=SimpleNamespace(seq_id=i, params=params, num_computed_tokens=300), num_new=1,
+        params = SimpleNamespace(auto_draft=True, max_tokens=None)
+        decoding = [SimpleNamespace(seq=SimpleNamespace(seq_id=i, params=params, num_computed_tokens=300,
+                                                        num_output_tokens=5), num_new=1,
                                     num_draft_tokens=8, completes_prompt=True) for i in range(8)]
-        prompt = SimpleNamespace(seq=SimpleNamespace(seq_id=99, params=params, num_computed_tokens=0), num_new=256,
+        prompt = SimpleNamespace(seq=SimpleNamespace(seq_id=99, params=params, num_computed_tokens=0, num_output_tokens=0),
+                                 num_new=256,
                                  num_draft_tokens=0, completes_prompt=False)
         choose_draft_lengths(policy, decoding + [prompt] * with_prompt)
         return [s.num_draft_tokens for s in decoding]
@@ -110,6 +112,8 @@ def test_a_drafter_far_behind_a_sequence_costs_its_catch_up_and_does_not_probe()
     assert policy.costs.per_draft_token == pytest.approx(2e-4) and policy.costs.per_catch_up_token == pytest.approx(40e-6)
     caught_up, behind = policy.choose([Candidate(1, 8), Candidate(2, 8, catch_up=256)], fixed_rows=2, num_fixed_tokens=2)
     assert caught_up > 0 and behind == 0
+    # paid once: spread over the 200 tokens it may still generate, it no longer holds the sequence at 0
+    assert policy.choose([Candidate(2, 8, catch_up=256, remaining=200)], fixed_rows=1, num_fixed_tokens=1)[0] > 0
     held = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0, 2: 0.0})
     held.costs.per_catch_up_token = 40e-6
     choices = [held.choose([Candidate(1, 8), Candidate(2, 8, catch_up=256)], fixed_rows=2, num_fixed_tokens=2)

@@ -7,25 +7,24 @@ accepted given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits 
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + c * sum_i k_i + r * sum_{i: k_i > 0} u_i,      R = decode-shaped rows (1 + k_i per
-                                               decoding sequence, plus fixed drafts)
+    S(k) = T(R) + s * L + c * sum_i k_i + r * sum_{i: k_i > 0} u_i / n_i,   R = decode rows (1 + k_i each)
 
 where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row
 attends its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per
 slot, c the drafter's time per draft token, and r its time per token u_i it must catch up on before drafting
 for sequence i again (a drafter that skips sequences held at 0: EAGLE3's head and MTP's layers over the
-target's states they hold, a draft model over the tokens it has not seen; on a loaded server, a whole
-prompt). At a few hundred slots a context, s * L is most of what a
-verify row costs on a CPU (every decode row is attended on its own, so that its bits do not depend on its
-neighbours), and it grows with the batch's contexts, not with R alone. The prompt-chunk rows a step may also
+target's states they hold, a draft model over the tokens it has not seen; under load, a whole prompt), paid
+once, so spread over the n_i tokens the sequence may still generate. At a few hundred slots a context, s * L is
+most of what a verify row costs on a CPU (each decode row is attended on its own, so that its bits do not
+depend on its neighbours), and it grows with the batch's contexts, not with R alone. The prompt-chunk rows a
+step may also
 carry are left out of S: their time is spent whatever is drafted, and counting it would lower the step's ratio
 until every marginal draft token looked worth its verify row (under load most steps carry a new request's
 prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding was
 fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda decoding
-would reach alone, the renewal-reward view of a long run of steps. The policy
-picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in
-descending order of g per cost over the whole batch (a token's verify row, slots and draft, plus r * u_i spread
-over the sequence's cap) visits, for every total n, about the allocation with the most expected tokens at that
+would reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in
+descending order of g per cost over the whole batch (a token's verify row, slots and draft, plus r * u_i / n_i
+spread over the sequence's cap) visits, for every total n, about the allocation with the most expected tokens at that
 cost; G is evaluated exactly at every n at once and the best n taken. Cheap verify rows and high acceptance
 give long chains; a large batch (T steep in R) with low acceptance gives 0.
 
@@ -39,8 +38,8 @@ and caught-up tokens, over recent calls. A sequence held at 0 drafts one token e
 estimate can recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait,
 up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
 drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent
-of plain decoding's speed. For the same reason a sequence probes only while its catch-up (r * u_i) costs no
-more than the probe's verify row: under load, probes would make every sequence pay the drafter over its prompt.
+of plain decoding's speed. So a sequence probes only while its whole catch-up r * u_i costs no more than the
+probe's verify row: under load, probes made every sequence pay the drafter over its prompt.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
@@ -167,11 +166,12 @@ class DraftGauges:
 class Candidate:
     """A decoding sequence the policy chooses for: its id, the most it may draft this step, the slots its last
     token's row attends (its draft token j attends context + j), and the tokens the drafter must catch up on
-    before it drafts for it (Proposer.catch_up_tokens)."""
+    before it drafts for it (Proposer.catch_up_tokens), spread over the `remaining` tokens it may still generate."""
     seq_id: int
     max_tokens: int
     context: int = 0
     catch_up: int = 0
+    remaining: int = 1
 
 
 class DraftPolicy:
@@ -219,9 +219,10 @@ class DraftPolicy:
         gains[np.arange(K)[None, :] >= caps[:, None]] = -1.0
         contexts = np.array([c.context for c in candidates], dtype=float)
         catch_up = np.array([c.catch_up for c in candidates], dtype=float) * self.costs.per_catch_up_token
+        spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float)   # a step's share
         costs = self.costs
         unit = float(costs.target(fixed_rows + 1) - costs.target(fixed_rows)) + costs.per_draft_token \
-            + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (catch_up / np.maximum(caps, 1))[:, None]
+            + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (spread / np.maximum(caps, 1))[:, None]
         order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
         sorted_gains = gains.reshape(-1)[order]
         usable = int((sorted_gains >= 0).sum())
@@ -230,7 +231,7 @@ class DraftPolicy:
         # the slots each added draft token attends, in the order they are added: context + position
         added = contexts[order[:usable] // K] + order[:usable] % K + 1
         slots = fixed_slots + np.concatenate([[0.0], np.cumsum(added)])
-        first_tokens = np.where(order[:usable] % K == 0, catch_up[order[:usable] // K], 0.0)   # a sequence's first
+        first_tokens = np.where(order[:usable] % K == 0, spread[order[:usable] // K], 0.0)   # a sequence's first
         seconds = self.costs.target(fixed_rows + n) + self.costs.per_row_slot * slots + self.costs.per_draft_token * n \
             + np.concatenate([[0.0], np.cumsum(first_tokens)])
         best = int(np.argmax(expected / seconds))
@@ -277,8 +278,9 @@ def choose_auto(policy: DraftPolicy, scheduled: list, auto: list, catch_up) -> N
     fixed = [1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding]
     fixed_slots = sum(row_slots(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed))
     num_sampling = sum(s.completes_prompt for s in scheduled)
-    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1,
-                                       catch_up(s.seq)) for s in auto], sum(fixed), num_sampling, fixed_slots)
+    remaining = lambda seq: 1 << 16 if seq.params.max_tokens is None else seq.params.max_tokens - seq.num_output_tokens
+    lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1, catch_up(s.seq),
+                                       remaining(s.seq)) for s in auto], sum(fixed), num_sampling, fixed_slots)
     for s, k in zip(auto, lengths):
         s.num_draft_tokens = k
 
