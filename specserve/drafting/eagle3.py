@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
-from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, restart_at,
-                                         restart_tail)
+from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now,
+                                         keep_block_tails, restart_at, restart_tail)
 from specserve.drafting.eagle3_check import check_acceptance
 from specserve.drafting.tree import GrowingTree, check_tree_shape
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
@@ -141,10 +141,7 @@ class Eagle3Proposer(Proposer):
             rows_t = torch.tensor(rows, device=hidden.final.device)
             fed_all = self.head.fc(torch.cat([hidden.aux[j][rows_t] for j in self.aux_order], dim=-1).to(self.dtype))
             for (seq, state, n), fed in zip(work, fed_all.split([n for _, _, n in work])):
-                start = state.num_computed + state.num_pending
-                for p in range(start, start + n):                   # the tail of every block these rows fill
-                    if p % self.block_size == self.block_size - 1:
-                        self.block_tails[seq.block_table[p // self.block_size]] = fed[p - start]
+                keep_block_tails(self.block_tails, seq, state.num_computed + state.num_pending, fed, self.block_size)
                 state.pending.append(fed)
                 self.states[seq.seq_id] = state
                 if catch_up_now(seq, state.num_pending, self.drafted):

@@ -27,7 +27,7 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, draft_chains,
-                                         restart_at, restart_tail)
+                                         keep_block_tails, restart_at, restart_tail)
 from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
 from specserve.models.loader import read_tensor
@@ -140,8 +140,7 @@ class MTPProposer(Proposer):
             have = state.num_computed + state.num_pending       # slots whose target state is held
             if rows := rows[have - first:]:
                 state.pending.append(fed := hidden.final[rows])   # indexing by a list copies the rows
-                for p in range(have + (-have - 1) % self.block_size, have + len(fed), self.block_size):
-                    self.block_tails[seq.block_table[p // self.block_size], 0] = fed[p - have]   # a restart point
+                keep_block_tails(self.block_tails[:, 0], seq, have, fed, self.block_size)   # a restart point
             if catch_up_now(seq, state.num_pending, self.drafted):
                 work.append((seq, state))
         self.drafted = set()
@@ -168,7 +167,7 @@ class MTPProposer(Proposer):
             for i, (seq, state) in enumerate(work):
                 new_tails[i].append(sources[i][-1])
                 if layer:                   # the target's states: kept as they arrived
-                    self._keep_block_tails(seq, state.num_computed, layer, sources[i])
+                    keep_block_tails(self.block_tails[:, layer], seq, state.num_computed, sources[i][1:], self.block_size)
             reads = [src if root else src[:-1] for src, root in zip(sources, roots)]
             out = self.mtp(layer, embeds, torch.cat(reads), positions, ctx).split([len(r) for r in reads])
             for i, root in enumerate(roots):
@@ -182,12 +181,6 @@ class MTPProposer(Proposer):
             state.tails = torch.stack(tails)
             state.root = torch.stack(root) if root else None
             state.pending = []
-
-    def _keep_block_tails(self, seq: Sequence, start: int, layer: int, source: torch.Tensor) -> None:
-        """source holds slots start - 1 .. start + n - 1; store those that end a block."""
-        bs = self.block_size
-        for s in range(start + (-start - 1) % bs, start + len(source) - 1, bs):
-            self.block_tails[seq.block_table[s // bs], layer] = source[s - start + 1]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:

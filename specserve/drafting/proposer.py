@@ -186,6 +186,13 @@ def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> t
     return block_tails[seq.block_table[start // block_size - 1]].clone()
 
 
+def keep_block_tails(block_tails: torch.Tensor, seq: Sequence, first: int, rows: torch.Tensor, block_size: int) -> None:
+    """Store, of rows (a drafter's states at slots first, first + 1, ...), those at the last slot of a block, in
+    block_tails [num_blocks, ...]: what restart_tail reads."""
+    for s in range(first + (-first - 1) % block_size, first + len(rows), block_size):
+        block_tails[seq.block_table[s // block_size]] = rows[s - first]
+
+
 # the committed tokens a deferring drafter holds per sequence before it runs over them anyway (1.2 MB of bf16
 # states a sequence at width 576): below it, a prompt costs the drafter nothing until the sequence drafts
 MAX_PENDING_TOKENS = 1024

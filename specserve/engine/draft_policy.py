@@ -22,10 +22,11 @@ carry are left out of S: their time is spent whatever is drafted, and counting i
 until every marginal draft token looked worth its verify row (under load most steps carry a new request's
 prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding was
 fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda decoding
-would reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in
-descending order of g per cost over the whole batch (a token's verify row, slots and draft, plus r * u_i / n_i
-spread over the sequence's cap) visits, for every total n, about the allocation with the most expected tokens at that
-cost; G is evaluated exactly at every n at once and the best n taken. Cheap verify rows and high acceptance
+would reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput
+G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost
+over the whole batch (a token's verify row, slots and draft, plus r * u_i / n_i spread over the sequence's cap)
+visits, for every total n, about the allocation with the most expected tokens at that cost; G is evaluated
+exactly at every n at once and the best n taken. Cheap verify rows and high acceptance
 give long chains; a large batch (T steep in R) with low acceptance gives 0.
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
@@ -218,9 +219,9 @@ class DraftPolicy:
         gains = np.cumprod(np.stack([self.acceptance(c.seq_id) for c in candidates]), axis=1)   # [B, K]
         gains[np.arange(K)[None, :] >= caps[:, None]] = -1.0
         contexts = np.array([c.context for c in candidates], dtype=float)
-        catch_up = np.array([c.catch_up for c in candidates], dtype=float) * self.costs.per_catch_up_token
-        spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float)   # a step's share
         costs = self.costs
+        catch_up = np.array([c.catch_up for c in candidates], dtype=float) * costs.per_catch_up_token
+        spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float)   # a step's share
         unit = float(costs.target(fixed_rows + 1) - costs.target(fixed_rows)) + costs.per_draft_token \
             + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (spread / np.maximum(caps, 1))[:, None]
         order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
@@ -232,13 +233,13 @@ class DraftPolicy:
         added = contexts[order[:usable] // K] + order[:usable] % K + 1
         slots = fixed_slots + np.concatenate([[0.0], np.cumsum(added)])
         first_tokens = np.where(order[:usable] % K == 0, spread[order[:usable] // K], 0.0)   # a sequence's first
-        seconds = self.costs.target(fixed_rows + n) + self.costs.per_row_slot * slots + self.costs.per_draft_token * n \
+        seconds = costs.target(fixed_rows + n) + costs.per_row_slot * slots + costs.per_draft_token * n \
             + np.concatenate([[0.0], np.cumsum(first_tokens)])
         best = int(np.argmax(expected / seconds))
         lengths = np.zeros(len(candidates), dtype=int)
         np.add.at(lengths, order[:best] // K, 1)
         rows = fixed_rows + int(lengths.sum())      # a probe's verify row: what one more row and its slots cost
-        verify_row = float(self.costs.target(rows + 1) - self.costs.target(rows)) + self.costs.per_row_slot * contexts
+        verify_row = float(costs.target(rows + 1) - costs.target(rows)) + costs.per_row_slot * contexts
         for i, c in enumerate(candidates):      # explore: a sequence held at 0 probes one token now and then
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
             if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0 \

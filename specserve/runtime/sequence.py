@@ -83,11 +83,6 @@ class SeqSnapshot:
         return len(self.prompt_token_ids)
 
     @property
-    def num_drafter_valid(self) -> int:
-        """Leading tokens whose K/V the drafter's cache holds from a full history: what a prefix-cache hit resumes."""
-        return 0 if self.drafter_start else self.num_drafter_computed
-
-    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
