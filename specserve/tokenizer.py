@@ -82,11 +82,14 @@ class Tokenizer:
 
     # --- text <-> ids ---
 
+    # The batch calls, with one input: `tokenizers` releases the GIL in them and holds it in `encode` and
+    # `decode` (0.45 s for a 1 MB prompt here), which would stall the server's event loop however the call is
+    # threaded. They cost the same for short inputs (13.7 against 13.4 us for a sentence).
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     # --- chat ---
 

@@ -57,6 +57,19 @@ def make_checkpoint(out: Path, arch: str = "qwen3", vocab_size: int = 400, hidde
     return out
 
 
+def make_drafts_free(llm, monkeypatch) -> None:
+    """The draft policy's cost model pinned to free drafts and verify rows, so that "auto" drafts whatever the
+    CPU measured at start-up (a chi-square test of "auto" needs drafts; on a fast CPU a tiny random drafter
+    would rightly get none)."""
+    import numpy as np
+    costs = llm.engine.policy.costs
+    monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
+    for name in ("per_draft_token", "per_catch_up_token", "per_row_slot"):
+        monkeypatch.setattr(costs, name, 0.0)
+    for name in ("observe_target", "observe_drafter"):
+        monkeypatch.setattr(type(costs), name, lambda self, *args: None)
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie_word_embeddings=True)

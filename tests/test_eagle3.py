@@ -30,7 +30,7 @@ from specserve.tokenizer import Tokenizer
 from specserve.train.demo import next_token_loss
 from specserve.train.trainer import StageConfig, train_stage
 
-from conftest import TEXT, make_checkpoint
+from conftest import TEXT, make_checkpoint, make_drafts_free
 from test_spec import PROMPTS, check_hits_past_the_drafters_blocks, greedy, ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype")
@@ -375,13 +375,7 @@ def test_seeded_sampling_equals_plain_sampling(eagle, plain, tree):
 def test_sampled_output_has_the_target_distribution(eagle, tree, k, monkeypatch):
     """Unseeded: the second output token's empirical distribution matches the target's exact marginal."""
     if k == "auto":    # this random head is rarely right: "auto" would rightly draft nothing, unless drafts were free
-        costs = eagle.engine.policy.costs
-        monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
-        monkeypatch.setattr(costs, "per_draft_token", 0.0)
-        monkeypatch.setattr(costs, "per_catch_up_token", 0.0)
-        monkeypatch.setattr(costs, "per_row_slot", 0.0)
-        for name in ("observe_target", "observe_drafter"):
-            monkeypatch.setattr(type(costs), name, lambda self, *args: None)
+        make_drafts_free(eagle, monkeypatch)
     prompt = eagle.tokenizer.encode("The quick brown fox jumps over the")
     n = 3000
     spec = dict(branching_factor=tree[0], tree_depth=tree[1]) if tree else {}

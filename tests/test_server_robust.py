@@ -208,7 +208,9 @@ def test_tokenizing_a_large_prompt_leaves_the_event_loop_free(server, client):
     assert responses[2].status_code == 200 and responses[2].json()["count"] > 100_000
     print(f"\n3 MB of prompts tokenized in {elapsed:.2f} s; /health answered {len(latencies)} times meanwhile, "
           f"slowest {max(latencies):.3f} s")
-    assert len(latencies) >= 2 and max(latencies) < max(1.0, elapsed / 3)
+    # Tokenizing holds no lock the event loop needs (test_tokenizer checks the GIL is released): a /health
+    # that waited for a tokenization would take most of a request's third of `elapsed`.
+    assert len(latencies) >= 2 and max(latencies) < max(0.5, elapsed / 6)
     assert_serving(server, client)
 
 

@@ -1,6 +1,8 @@
 """Tokenizer, chat templates and incremental detokenization, checked against transformers on tiny local tokenizers."""
 import json
 import random
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -323,6 +325,25 @@ def test_encode_decode_match_transformers(tok: Tokenizer, hf, text: str):
         assert tok.decode(ids, skip_special_tokens) == hf.decode(ids, skip_special_tokens=skip_special_tokens)
         with_bos = tok.encode(text)
         assert tok.decode(with_bos, skip_special_tokens) == hf.decode(with_bos, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("call", ["encode", "decode"])
+def test_a_long_text_leaves_other_threads_running(tok: Tokenizer, call: str):
+    """The server tokenizes in a worker thread: that only frees its event loop if the GIL is released. Were it
+    held for the whole call, one of this loop's 1 ms sleeps would last about as long as the call itself."""
+    text = "the quick brown fox jumps over the lazy dog. " * 20_000           # ~0.9 MB
+    args = (text,) if call == "encode" else (tok.encode(text),)
+    results: list = []
+    worker = threading.Thread(target=lambda: results.append(getattr(tok, call)(*args)))
+    start = last = time.perf_counter()
+    worker.start()
+    gaps = []
+    while worker.is_alive():
+        time.sleep(0.001)
+        gaps.append(time.perf_counter() - last)
+        last = time.perf_counter()
+    elapsed = time.perf_counter() - start
+    assert results and len(gaps) >= 5 and max(gaps) < elapsed / 2, (len(gaps), max(gaps), elapsed)
 
 
 def test_special_tokens_and_vocab(tok: Tokenizer, hf, chatml_dir: Path):
