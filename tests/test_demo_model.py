@@ -49,10 +49,11 @@ def generate_json(capsys, *flags) -> dict:
 
 def test_generate_drafts_with_the_demo_draft_and_matches_plain(capsys):
     plain = generate_json(capsys, "--speculative-method", "none")
-    draft = generate_json(capsys, "--speculative-method", "draft")
+    # a fixed k: whether "auto" drafts on this 7M model depends on the CPU's measured costs (here it hardly did)
+    draft = generate_json(capsys, "--speculative-method", "draft", "--num-assistant-tokens", "5")
     assert draft["text"] == plain["text"] and draft["token_ids"] == plain["token_ids"]
     assert draft["speculative_method"] == "draft" and draft["spec"]["num_drafts"] > 0
-    assert draft["spec"]["mean_acceptance_length"] > 1.3
+    assert draft["spec"]["mean_acceptance_length"] > 1.8
     for key in ("num_prompt_tokens", "num_generated_tokens", "tokens_per_second", "ttft_s"):
         assert plain[key] is not None
 
