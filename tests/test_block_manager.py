@@ -126,6 +126,30 @@ def test_scheduler_reserves_draft_slots_and_preempts_newest():
     assert sched.waiting[0] is b
 
 
+def test_draft_slots_a_policy_does_not_choose_go_to_prompt_chunks():
+    """choose() sets the decoding sequences' lengths before the budget is spent: a sequence held at 0 of its 8
+    wanted slots leaves them to a waiting prompt in the same step."""
+    for choice in (None, 0, 3):
+        bm = BlockManager(num_blocks=32, block_size=4)
+        sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+        a, prompt = seq_of(range(7)), seq_of(range(40, 70))
+        sched.add(a)
+        sched.schedule(lambda s: 0)
+        a.num_computed_tokens = 7
+        a.token_ids.append(1)
+        sched.add(prompt)
+        seen = []
+
+        def choose(decoding):
+            seen.extend((x.seq, x.num_new, x.num_draft_tokens) for x in decoding)
+            for x in decoding:
+                x.num_draft_tokens = choice
+        step = sched.schedule(lambda s: 8, None if choice is None else choose)
+        drafted = 8 if choice is None else choice
+        assert [(x.seq, x.num_new, x.num_draft_tokens) for x in step] == [(a, 1, drafted), (prompt, 15 - drafted, 0)]
+        assert seen == ([] if choice is None else [(a, 1, 8)])       # asked once, with each sequence's longest
+
+
 def test_scheduler_drops_draft_slots_before_preempting_itself():
     bm = BlockManager(num_blocks=2, block_size=4)
     sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)

@@ -264,14 +264,13 @@ class DraftPolicy:
         self.failed_probes.pop(seq_id, None)
 
 
-def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda seq: 0) -> int:
-    """The "auto" sequences' num_draft_tokens in a step (engine/scheduler.py ScheduledSeq; the scheduler reserved
-    their longest): the policy's choice for the whole step. catch_up(seq): Proposer.catch_up_tokens. Returns the
-    tokens the drafter catches up on for the step's drafting sequences (for the fit of r)."""
+def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda seq: 0) -> None:
+    """The "auto" sequences' num_draft_tokens in a step (engine/scheduler.py ScheduledSeq, each at its longest):
+    the policy's choice for the whole step. The scheduler asks before it spends the step's token budget, so
+    that the draft slots it does not choose go to prompt chunks. catch_up(seq): Proposer.catch_up_tokens."""
     auto = [s for s in scheduled if s.num_draft_tokens > 0 and s.seq.params.auto_draft]
     if auto:
         choose_auto(policy, scheduled, auto, catch_up)
-    return sum(catch_up(s.seq) for s in scheduled if s.num_draft_tokens > 0)
 
 
 def choose_auto(policy: DraftPolicy, scheduled: list, auto: list, catch_up) -> None:

@@ -1,6 +1,7 @@
 """The engine loop, the same for every drafting method: schedule, propose, verify, accept, postprocess."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -166,16 +167,14 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def _num_draft_tokens(self, seq: Sequence) -> int:
-        k = seq.num_assistant_tokens
-        if k <= 0:
-            return 0
         room = self.max_model_len - len(seq) - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(k, room))
+        return max(0, min(seq.num_assistant_tokens, room))
 
     def step(self) -> list[StepOutput]:
-        scheduled = self.scheduler.schedule(self._num_draft_tokens)
+        choose = functools.partial(choose_draft_lengths, self.policy, catch_up=self.proposer.catch_up_tokens)
+        scheduled = self.scheduler.schedule(self._num_draft_tokens, choose)
         if not scheduled:
             return []
         try:
@@ -198,7 +197,7 @@ class LLMEngine:
         return outputs
 
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
-        num_catch_up = choose_draft_lengths(self.policy, scheduled, self.proposer.catch_up_tokens)
+        num_catch_up = sum(self.proposer.catch_up_tokens(s.seq) for s in scheduled if s.num_draft_tokens > 0)
         start = time.perf_counter()
         draft = cut_at_grammar(self.propose(scheduled), [s.seq for s in scheduled])
         drafted = time.perf_counter()

@@ -40,9 +40,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, num_draft_tokens_of) -> list[ScheduledSeq]:
-        """num_draft_tokens_of(seq) -> draft slots a decoding sequence wants this step."""
+    def schedule(self, num_draft_tokens_of, choose=None) -> list[ScheduledSeq]:
+        """num_draft_tokens_of(seq) -> the most draft slots a decoding sequence may take this step. choose(decoding):
+        sets the step's draft lengths of the decoding sequences (ScheduledSeq, at those maxima) before any budget
+        is spent, so that slots a draft policy does not use go to prompt chunks (the engine's "auto")."""
         bm, budget = self.block_manager, self.max_num_batched_tokens
+        decoding = [ScheduledSeq(seq, 1, num_draft_tokens_of(seq)) for seq in self.running
+                    if len(seq) - seq.num_computed_tokens == 1]
+        if choose is not None and decoding:
+            choose(decoding)
+        wants = {s.seq.seq_id: s.num_draft_tokens for s in decoding}
         scheduled: list[ScheduledSeq] = []
         # running sequences, oldest first; preempt from the newest end when blocks run out
         i = 0
@@ -50,7 +57,7 @@ class Scheduler:
             seq = self.running[i]
             uncomputed = len(seq) - seq.num_computed_tokens
             # draft slots count against the step's token budget, so drafts never grow a batch past it
-            num_draft_tokens = min(num_draft_tokens_of(seq), max(0, budget - 1)) if uncomputed == 1 else 0
+            num_draft_tokens = min(wants[seq.seq_id], max(0, budget - 1)) if uncomputed == 1 else 0
             num_new = min(uncomputed, budget - num_draft_tokens) if uncomputed > 1 else 1
             if num_new <= 0:
                 i += 1
