@@ -407,7 +407,7 @@ def test_engine_thread_death_exits_the_process(qwen3_dir):
         port = s.getsockname()[1]
     script = ("import sys\n"
               "from specserve.engine.scheduler import Scheduler\n"
-              "def broken(self, lookahead_of):\n"
+              "def broken(self, *args):\n"
               "    raise RuntimeError('injected scheduler defect')\n"
               "Scheduler.schedule = broken\n"
               "from specserve.server.cli import main\n"
