@@ -64,11 +64,11 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], new_tokens: i
     return run
 
 
-def specserve_llm(model_dir: Path, dtype: str, quantization: str | None = None):
+def specserve_llm(model_dir: Path, dtype: str, quantization: str | None = None, compile: bool = False):
     from specserve.llm import LLM
     extra = {"quantization": quantization} if quantization else {}
     return LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.5,
-               num_threads=torch.get_num_threads(), enable_prefix_caching=False, **extra)
+               num_threads=torch.get_num_threads(), enable_prefix_caching=False, compile=compile, **extra)
 
 
 def specserve_runner(llm, prompts: list[list[int]], new_tokens: int):
@@ -170,9 +170,10 @@ def real_model(args) -> None:
     runs = {"transformers bf16": transformers_runner(model_dir, prompts, args.new_tokens, torch.bfloat16)}
     llms = {}
     for q in args.quantizations.split(","):
-        name = "specserve bf16" + ("" if q == "none" else f" {q}")
-        llms[name] = specserve_llm(model_dir, "bfloat16", None if q == "none" else q)
-        runs[name] = specserve_runner(llms[name], prompts, args.new_tokens)
+        for compiled in (False, True) if args.compile else (False,):
+            name = "specserve bf16" + ("" if q == "none" else f" {q}") + (" --compile" if compiled else "")
+            llms[name] = specserve_llm(model_dir, "bfloat16", None if q == "none" else q, compiled)
+            runs[name] = specserve_runner(llms[name], prompts, args.new_tokens)
     rates = {name: [] for name in runs}
     for i in range(args.repeats):
         for name, run in runs.items():
@@ -262,6 +263,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     ap.add_argument("--model-dir", help="a real HF model folder with a chat template (e.g. SmolLM2 in bf16)")
     ap.add_argument("--quantizations", default="none,int8,int4", help="specserve variants on --model-dir")
+    ap.add_argument("--compile", action="store_true", help="also each specserve variant with --compile")
     ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used on --model-dir")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

@@ -79,6 +79,7 @@ class EngineConfig:
     num_threads: int | None = None            # CPU intra-op threads; None: 1 for models whose weights fit in cache
     reserved_cpu_cores: int = 0               # with num_threads None, cores left to the HTTP front end (serve: 1)
     quantization: str | None = None           # "int8" / "int4": weight-only linears on CPU (layers/quantization.py)
+    compile: bool = False                     # the target's forward as torch.compile graphs, CPU (models/compiled.py)
     # speculative decoding
     speculative_method: str | None = None     # None: detected (a drafter found beside the model), else "none"
     draft_model: str | Path | None = None
@@ -103,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError("--compile and --tensor-parallel-size > 1 cannot be combined")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_assistant_tokens is not None:

@@ -85,7 +85,8 @@ class ParallelTarget:
     def parameters(self):
         return self.shard.model.parameters()
 
-    def pack(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> ParallelTarget:
+    def pack(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+             compile: bool = False) -> ParallelTarget:
         return self                                        # every rank packed its shard when it loaded it
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ class LLMEngine:
             load_model(config.model, self.dtype, self.device, self.model_config)
         if self.device.type == "cpu":
             set_cpu_threads(config.num_threads, self.model, config.reserved_cpu_cores)
-        self.model.pack(self.device, self.dtype, config.quantization)
+        self.model.pack(self.device, self.dtype, config.quantization, config.compile)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.generation_config = GenerationConfig.from_model_dir(config.model)
@@ -76,8 +76,10 @@ class LLMEngine:
         self.policy = DraftPolicy(AUTO_MAX_DRAFT_TOKENS)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)
         self.draft_gauges = DraftGauges()
+        if self.spec_method != "none" or config.compile:    # warm-up: first calls pack, allocate, and compile
+            for rows in (1, 2) if config.compile else (1,):      # (one graph for one row, one for more)
+                self.time_forward(rows)
         if self.spec_method != "none":
-            self.time_forward(1)                                   # warm-up: first calls pack and allocate
             self.policy.calibrate(self.time_forward, min(num_blocks * config.block_size, self.max_model_len))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
@@ -224,7 +226,7 @@ class LLMEngine:
         items = [ForwardItem([(r * per_row + j) % num_blocks for j in range(per_row)], slots - 1, [0])
                  for r in range(rows)]
         start = time.perf_counter()
-        hidden, _ = self.runner.forward(items)
+        hidden, _ = self.runner.forward(items, self.proposer.aux_layers)
         self.model.compute_logits(hidden)
         return time.perf_counter() - start
 

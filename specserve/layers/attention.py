@@ -61,6 +61,9 @@ class ForwardContext:
     row_by_row: list[RowByRow] | None = None  # sequences attended token by token, in no call
     write_start: int | None = None          # the new tokens' slots are one run from here: written as one copy
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        return paged_attention(q, k, v, self, layer)
+
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""

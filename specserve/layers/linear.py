@@ -76,15 +76,14 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> K
     direct = weight.dtype == torch.bfloat16 and bias is None
     if name == "int8":
         q, scales = quantize_int8(weight)
-        if direct:
-            int8_mm = torch.ops.aten._weight_int8pack_mm
-            return lambda x: int8_mm(x, q, scales)
+        if direct:      # a partial of the aten op: a compiled graph calls it itself (models/compiled.py)
+            return functools.partial(torch.ops.aten._weight_int8pack_mm, mat2=q, scales=scales)
         return functools.partial(int8_linear, q=q, scales=scales, bias=bias)
     if name == "int4" and can_quantize_int4(weight):
         packed, scales_and_zeros = quantize_int4(weight)
         if direct:
-            int4_mm, group = torch.ops.aten._weight_int4pack_mm_for_cpu, INT4_GROUP
-            return lambda x: int4_mm(x, packed, group, scales_and_zeros)
+            return functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, mat2=packed, qGroupSize=INT4_GROUP,
+                                     qScaleAndZeros=scales_and_zeros)
         return functools.partial(int4_linear, packed=packed, scales_and_zeros=scales_and_zeros, bias=bias)
     raise ValueError(f"unknown kernel {name!r}")
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.attention import ForwardContext, causal_attention, paged_attention
+from specserve.layers.attention import ForwardContext, causal_attention
 from specserve.layers.linear import InferenceLinear
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.config import ModelConfig
@@ -103,7 +103,7 @@ def attention(x: torch.Tensor, w: AttentionWeights, cos: torch.Tensor, sin: torc
         qk = w.norm(qk, w.qk_norm, w.eps)
     qk = apply_rotary(qk, cos, sin)                           # q and k heads rotated together: fewer small ops
     q, k = qk.split([w.num_heads, w.num_kv_heads], dim=-2)
-    out = causal_attention(q, k, v) if ctx is None else paged_attention(q, k, v, ctx, w.layer_idx)
+    out = causal_attention(q, k, v) if ctx is None else ctx.attend(q, k, v, w.layer_idx)
     return w.o(out.reshape(*lead, w.num_heads * w.head_dim))
 
 
@@ -202,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.compiled: Callable | None = None        # pack(compile=True): paged forwards through models/compiled.py
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -214,14 +215,22 @@ class LlamaForCausalLM(nn.Module):
         Returns the final hidden states after the last norm and, for each index i in aux_layers,
         the residual stream entering layer i (i == num_layers: the last layer's output, pre-norm).
         """
+        if self.compiled is not None and ctx is not None:
+            return self.compiled(input_ids, positions, ctx, aux_layers)
+        # layer.forward, not layer(): nn.Module's call machinery costs ~1.5 us
+        return self.run_layers(input_ids, positions, ctx, aux_layers, [layer.forward for layer in self.model.layers])
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None,
+                   aux_layers: tuple[int, ...], layers: list[Callable]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward() through `layers`, each (x, cos, sin, ctx) -> x: the modules, or a compiled graph's bundles."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         aux = []
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(layers):
             if i in aux_layers:
                 aux.append(x)
-            x = layer.forward(x, cos, sin, ctx)       # not layer(): nn.Module's call machinery costs ~1.5 us
-        if len(self.model.layers) in aux_layers:
+            x = layer(x, cos, sin, ctx)
+        if len(layers) in aux_layers:
             aux.append(x)
         return self.model.norm(x), aux
 
@@ -230,12 +239,18 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def pack(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> LlamaForCausalLM:
+    def pack(self, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+             compile: bool = False) -> LlamaForCausalLM:
         """pack_for_inference; a tied head gets its own inference linear over the embedding (the biggest
-        single product of a small-vocabulary-heavy model such as SmolLM2: its kernel matters most)."""
+        single product of a small-vocabulary-heavy model such as SmolLM2: its kernel matters most). compile:
+        paged forwards then run as torch.compile graphs (models/compiled.py)."""
         from specserve.models.packing import pack_for_inference   # it builds on this module's layers
         tied = {"lm_head": (self.model.embed_tokens.weight, None)} if self.lm_head is None else None
-        return pack_for_inference(self, device, dtype, quantization, tied)
+        pack_for_inference(self, device, dtype, quantization, tied)
+        if compile:
+            from specserve.models.compiled import CompiledForward
+            self.compiled = CompiledForward(self)
+        return self
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
