@@ -67,8 +67,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                              "(default: none)")
     engine.add_argument("--compile", action="store_true", default=None,
                         help="run the model's forward as torch.compile graphs (CPU; needs a C++ compiler): fewer, "
-                             "fused ops a step; the first start compiles for about a minute, later ones reuse "
-                             "torch's cache")
+                             "fused ops a step; the first start compiles for about two minutes, later ones "
+                             "reuse torch's cache")
     engine.add_argument("--device", help="cpu, cuda, cuda:N or auto" + default("device"))
     engine.add_argument("--max-num-seqs", type=int_at_least(1), help="requests batched at once" + default("max_num_seqs"))
     engine.add_argument("--max-num-batched-tokens", type=int_at_least(1),

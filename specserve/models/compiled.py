@@ -44,7 +44,8 @@ INPUTS = ("input_ids", "positions")
 
 _forward: list[ForwardContext | None] = [None]          # the context of the compiled forward in progress
 _kernels: dict[int, nn.Module] = {}                     # specserve::linear's kernels, by number
-_numbers = itertools.count()
+_kernel_numbers = itertools.count()
+_code_numbers = itertools.count()
 
 _lib = torch.library.Library("specserve", "DEF")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
@@ -73,7 +74,7 @@ def graph_linear(module: nn.Module):
     kernel = frozen_linear(module)
     if traceable(kernel):
         return kernel
-    number = next(_numbers)
+    number = next(_kernel_numbers)
     _kernels[number] = module
     return functools.partial(torch.ops.specserve.linear, kernel=number, out_features=module.out_features)
 
@@ -86,7 +87,7 @@ def graph_weights(layer: nn.Module) -> LayerWeights:
 
 
 def own_code(fn: types.FunctionType) -> types.FunctionType:
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_numbers)}")
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_code_numbers)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
