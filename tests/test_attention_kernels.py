@@ -159,3 +159,29 @@ def test_attend_one_row_falls_back_to_torch_without_the_native_kernel(monkeypatc
     finally:
         attend_row_library.cache_clear()
     assert not torch.equal(native_out, torch_out) and torch.allclose(native_out.float(), torch_out.float(), atol=3e-2)
+
+
+@native
+def test_a_forward_of_chains_attends_in_one_native_call_with_the_bits_of_row_by_row():
+    """Decode and verify rows of a batch (one context a run of blocks, one paged, one fresh) go to the native
+    call that writes and attends a whole layer's rows; its output and the cache it writes equal those of the
+    per-row path. A tree or a prompt chunk in the forward keeps the per-row path."""
+    q, kv = inputs(700, torch.bfloat16, 11)
+    tables = [list(range(20)), [40, 41, 43, 42, 60, 61], [90, 91]]
+    lengths = (300, 70, 3)
+    fast, slow = runner(torch.bfloat16), runner(torch.bfloat16)
+    for r in (fast, slow):
+        for table, n in zip(tables, lengths):
+            attend(r, [ForwardItem(table, 0, list(range(n)))], q[:n], kv[:n])
+    items = [ForwardItem(t, n, [0] * k) for t, n, k in zip(tables, lengths, (1, 6, 3))]
+    _, _, ctx = fast.prepare(items)
+    assert ctx.chains is not None and [s[3] >= 0 for s in ctx.chains.seqs] == [True, False, True]
+    rows_q, rows_kv = q[400:410], kv[400:410]
+    out = paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], ctx, 0)
+    _, _, per_row = slow.prepare(items)
+    per_row.chains = None
+    assert torch.equal(out, paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], per_row, 0))
+    assert torch.equal(fast.kv_cache, slow.kv_cache)
+    tree = ForwardItem(tables[0], 301, [0] * 3, tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool())
+    assert fast.prepare([tree])[2].chains is None
+    assert fast.prepare([items[0], ForwardItem([100, 101, 102], 0, list(range(40)))])[2].chains is None   # a chunk

@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.kernels import attend_row_bf16, attend_row_library
+from specserve.layers.kernels import attend_chains_bf16, attend_row_bf16, attend_row_library
 from specserve.layers.linear import bf16_packing_supported
 
 
@@ -29,6 +30,21 @@ class RowByRow:
     num_slots: int                              # its context: cached tokens and new ones
     run_start: int | None                       # its context is one run of cache slots from here: read in place
     slots: torch.Tensor | None                  # else its context slots in order, gathered once a layer
+
+
+@dataclass(slots=True)
+class NativeChains:
+    """Every new row of the forward is a decode or verify row of a chain (no tree, no prompt chunk) and the
+    cache is bf16 on an AVX-512 CPU: one native call a layer writes their K/V and attends them all, each row as
+    the one-row kernel attends it alone (the same bits as attend_row_by_row, without its Python per row)."""
+    seqs: np.ndarray                        # [n, 5] int64: first row, rows, cached tokens, run's first slot or -1,
+    #                                         offset of its context in `slots`
+    slots: np.ndarray                       # int64: the context slots of the sequences that are not one run
+    num_threads: int
+    addresses: tuple[int, int] = (0, 0)     # of seqs and slots, taken once (numpy's .ctypes costs ~2 us)
+
+    def __post_init__(self):
+        self.addresses = (self.seqs.ctypes.data, self.slots.ctypes.data)
 
 
 @dataclass(slots=True)
@@ -60,6 +76,7 @@ class ForwardContext:
     calls: list[BatchedCall]
     row_by_row: list[RowByRow] | None = None  # sequences attended token by token, in no call
     write_start: int | None = None          # the new tokens' slots are one run from here: written as one copy
+    chains: NativeChains | None = None      # set where the native kernel can take every row (row_by_row too)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         return paged_attention(q, k, v, self, layer)
@@ -68,6 +85,9 @@ class ForwardContext:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
     cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
+    if (chains := ctx.chains) is not None and (out := attend_chains_bf16(
+            q, k, v, cache, chains.addresses[0], len(chains.seqs), chains.addresses[1], chains.num_threads)) is not None:
+        return out
     new_kv = torch.stack((k, v), dim=1).to(cache.dtype)
     if ctx.write_start is not None:
         cache[ctx.write_start:ctx.write_start + k.shape[0]].copy_(new_kv)

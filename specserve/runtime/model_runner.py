@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
-from specserve.layers.attention import BatchedCall, ForwardContext, RowByRow, kv_cache_dtype
+from specserve.layers.attention import BatchedCall, ForwardContext, NativeChains, RowByRow, kv_cache_dtype
 from specserve.layers.kernels import attend_row_library
 
 # with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
@@ -49,8 +49,9 @@ class ModelRunner:
                               dtype=kv_cache_dtype(dtype, self.device), device=self.device)
         self.kv_cache = storage.permute(0, 3, 1, 2, 4)
         self._arange = np.arange(1 << 16)
-        if storage.device.type == "cpu" and storage.dtype == torch.bfloat16:
-            attend_row_library()                # built (once per machine) now, not inside a timed first step
+        # built (once per machine) now, not inside a timed first step
+        self.native_rows = row_by_row and storage.device.type == "cpu" and storage.dtype == torch.bfloat16 \
+            and attend_row_library() is not None
 
     def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:
         idx = self._arange[begin:end] if end <= len(self._arange) else np.arange(begin, end)
@@ -102,8 +103,23 @@ class ModelRunner:
             calls=calls,
             row_by_row=row_by_row or None,
             write_start=int(slots[0]) if len(slots) == 1 or np.all(np.diff(slots) == 1) else None,
+            chains=self.native_chains(items, row_by_row, contexts) if self.native_rows and not long else None,
         )
         return input_ids, positions_t, ctx
+
+    @staticmethod
+    def native_chains(items: list[ForwardItem], rows: list[RowByRow], contexts: list[np.ndarray]) -> NativeChains | None:
+        """The native kernel's plan for a forward of decode and verify rows only (no tree: its rows see
+        scattered entries, which attend_row_by_row handles)."""
+        if any(it.tree_mask is not None for it in items):
+            return None
+        paged = [b for b, r in enumerate(rows) if r.run_start is None]
+        offsets = np.cumsum([0] + [len(contexts[b]) for b in paged])
+        seqs = np.array([[r.first, len(it.token_ids), it.start, -1 if r.run_start is None else r.run_start, 0]
+                         for it, r in zip(items, rows)], dtype=np.int64)
+        seqs[paged, 4] = offsets[:-1]
+        slots = np.concatenate([contexts[b] for b in paged]).astype(np.int64) if paged else np.zeros(1, np.int64)
+        return NativeChains(seqs, slots, torch.get_num_threads())
 
     def batched_call(self, items: list[ForwardItem], group: list[int], lens: list[int], firsts: np.ndarray,
                      contexts: list[np.ndarray], whole: bool) -> BatchedCall:

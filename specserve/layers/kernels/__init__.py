@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specserve.gguf.cache import cache_dir
@@ -74,6 +75,10 @@ def attend_row_library() -> ctypes.CDLL | None:
         lib.attend_row_bf16.restype = ctypes.c_int
         lib.attend_row_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 4 + \
             [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        lib.attend_chains_bf16.restype = ctypes.c_int
+        lib.attend_chains_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
+            [ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_int] * 3 + \
+            [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -96,4 +101,25 @@ def attend_row_bf16(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                                  None if slots is None else slots.data_ptr(), keys.stride(0), values.stride(0),
                                  keys.stride(1), Hkv, query.shape[1], keys.shape[1] if slots is None else len(slots),
                                  D, D ** -0.5, out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def attend_chains_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seqs: int,
+                       num_seqs: int, slots: int, num_threads: int) -> torch.Tensor | None:
+    """Writes k/v [N, Hkv, D] into one layer's cache [S, 2, Hkv, D] (a view of head-major storage), then
+    attends every row q [N, Hq, D] over its prefix, each as attend_row_bf16 attends it alone -> [N, Hq, D].
+    seqs: the address of an int64 [num_seqs, 5] array: per sequence its first row, rows, cached tokens, first
+    slot of its context when that is one run (else -1) and the offset of its context's slot numbers in the
+    int64 array at `slots`. Called once a layer, so it checks only what the plan cannot know (the products'
+    layout); None where the layout is not one it reads (the caller then takes attend_row_by_row)."""
+    D = q.shape[-1]
+    if q.dtype != torch.bfloat16 or q.stride()[1:] != (D, 1) or k.stride()[1:] != (D, 1) \
+            or v.stride()[1:] != (D, 1) or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return None
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    base = cache.data_ptr()
+    status = attend_row_library().attend_chains_bf16(
+        seqs, num_seqs, slots, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), base,
+        base + 2 * cache.stride(1), cache.stride(2), k.shape[1], q.shape[1] // k.shape[1], D, D ** -0.5,
+        out.data_ptr(), num_threads)
     return out if status == 0 else None
