@@ -112,13 +112,13 @@ def attend_chains_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
     slot of its context when that is one run (else -1) and the offset of its context's slot numbers in the
     int64 array at `slots`. Called once a layer, so it checks only what the plan cannot know (the products'
     layout); None where the layout is not one it reads (the caller then takes attend_row_by_row)."""
-    D = q.shape[-1]
-    if q.dtype != torch.bfloat16 or q.stride()[1:] != (D, 1) or k.stride()[1:] != (D, 1) \
+    lib, D = attend_row_library(), q.shape[-1]
+    if lib is None or q.dtype != torch.bfloat16 or q.stride()[1:] != (D, 1) or k.stride()[1:] != (D, 1) \
             or v.stride()[1:] != (D, 1) or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return None
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     base = cache.data_ptr()
-    status = attend_row_library().attend_chains_bf16(
+    status = lib.attend_chains_bf16(
         seqs, num_seqs, slots, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), base,
         base + 2 * cache.stride(1), cache.stride(2), k.shape[1], q.shape[1] // k.shape[1], D, D ** -0.5,
         out.data_ptr(), num_threads)
