@@ -185,3 +185,4 @@ def test_a_forward_of_chains_attends_in_one_native_call_with_the_bits_of_row_by_
     tree = ForwardItem(tables[0], 301, [0] * 3, tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool())
     assert fast.prepare([tree])[2].chains is None
     assert fast.prepare([items[0], ForwardItem([100, 101, 102], 0, list(range(40)))])[2].chains is None   # a chunk
+    assert not ModelRunner(None, 1, 2, 16, 8, BLOCK, torch.bfloat16, row_by_row=True).native_rows   # heads of 16

@@ -15,6 +15,7 @@ from specserve.layers.kernels import attend_row_library
 # the last token and its drafts) is attended token by token, bit-identical to plain decoding (layers/attention.py,
 # RowByRow); longer prompt chunks in one batched call. Drafters whose forwards edit the mask (EAGLE3) keep it off.
 ROW_BY_ROW_MAX_TOKENS = 1 + MAX_NUM_ASSISTANT_TOKENS
+NO_SLOTS = np.zeros(1, dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -49,9 +50,9 @@ class ModelRunner:
                               dtype=kv_cache_dtype(dtype, self.device), device=self.device)
         self.kv_cache = storage.permute(0, 3, 1, 2, 4)
         self._arange = np.arange(1 << 16)
-        # built (once per machine) now, not inside a timed first step
+        # built (once per machine) now, not inside a timed first step; it takes heads of a multiple of 32
         self.native_rows = row_by_row and storage.device.type == "cpu" and storage.dtype == torch.bfloat16 \
-            and attend_row_library() is not None
+            and attend_row_library() is not None and head_dim % 32 == 0
 
     def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:
         idx = self._arange[begin:end] if end <= len(self._arange) else np.arange(begin, end)
@@ -110,16 +111,19 @@ class ModelRunner:
     @staticmethod
     def native_chains(items: list[ForwardItem], rows: list[RowByRow], contexts: list[np.ndarray]) -> NativeChains | None:
         """The native kernel's plan for a forward of decode and verify rows only (no tree: its rows see
-        scattered entries, which attend_row_by_row handles)."""
-        if any(it.tree_mask is not None for it in items):
-            return None
-        paged = [b for b, r in enumerate(rows) if r.run_start is None]
-        offsets = np.cumsum([0] + [len(contexts[b]) for b in paged])
-        seqs = np.array([[r.first, len(it.token_ids), it.start, -1 if r.run_start is None else r.run_start, 0]
-                         for it, r in zip(items, rows)], dtype=np.int64)
-        seqs[paged, 4] = offsets[:-1]
-        slots = np.concatenate([contexts[b] for b in paged]).astype(np.int64) if paged else np.zeros(1, np.int64)
-        return NativeChains(seqs, slots, torch.get_num_threads())
+        scattered entries, which attend_row_by_row handles). Built on every step: plain lists, one array each."""
+        seqs, paged, offset = [], [], 0
+        for it, r, context in zip(items, rows, contexts):
+            if it.tree_mask is not None:
+                return None
+            if r.run_start is None:
+                seqs += (r.first, len(it.token_ids), it.start, -1, offset)
+                paged.append(context)
+                offset += len(context)
+            else:
+                seqs += (r.first, len(it.token_ids), it.start, r.run_start, 0)
+        return NativeChains(np.array(seqs, dtype=np.int64).reshape(-1, 5),
+                            np.concatenate(paged) if paged else NO_SLOTS, torch.get_num_threads())
 
     def batched_call(self, items: list[ForwardItem], group: list[int], lens: list[int], firsts: np.ndarray,
                      contexts: list[np.ndarray], whole: bool) -> BatchedCall:

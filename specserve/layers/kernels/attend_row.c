@@ -217,6 +217,8 @@ int attend_row_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
 int attend_chains_bf16(const int64_t *seqs, int n_seqs, const int64_t *slots, const uint16_t *q, long q_row,
                        const uint16_t *k, long k_row, const uint16_t *v, long v_row, uint16_t *kc, uint16_t *vc,
                        long head_stride, int Hkv, int G, int D, float scale, uint16_t *out, int num_threads) {
+    if (D % 32 != 0 || G > 16)                                 /* before any write: the caller falls back whole */
+        return -1;
     for (int i = 0; i < n_seqs; i++) {
         const int64_t *s = seqs + 5 * i;
         for (long r = 0; r < s[1]; r++) {
