@@ -165,7 +165,8 @@ def test_attend_one_row_falls_back_to_torch_without_the_native_kernel(monkeypatc
 def test_a_forward_of_chains_attends_in_one_native_call_with_the_bits_of_row_by_row():
     """Decode and verify rows of a batch (one context a run of blocks, one paged, one fresh) go to the native
     call that writes and attends a whole layer's rows; its output and the cache it writes equal those of the
-    per-row path. A tree or a prompt chunk in the forward keeps the per-row path."""
+    per-row path. A tree or a prompt chunk in the forward keeps the per-row path, as do heads the kernel does not
+    take (it reads heads of a multiple of 32)."""
     q, kv = inputs(700, torch.bfloat16, 11)
     tables = [list(range(20)), [40, 41, 43, 42, 60, 61], [90, 91]]
     lengths = (300, 70, 3)
