@@ -16,7 +16,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specserve.gguf.cache import cache_dir
