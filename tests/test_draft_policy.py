@@ -121,6 +121,20 @@ def test_a_drafter_far_behind_a_sequence_costs_its_catch_up_and_does_not_probe()
     assert [c[0] for c in choices].count(1) >= 1 and [c[1] for c in choices].count(1) == 0
 
 
+def test_a_first_call_over_a_whole_prompt_does_not_price_the_draft_tokens():
+    """The first propose() of a request drafts 2 tokens and catches up on its 1,000-token prompt: with nothing yet
+    to separate the two costs, a token of either kind is priced alike (laid on the 2 draft tokens, the prompt made
+    a draft token cost 50 ms and held every sequence at 0). Calls without catch-up then separate them."""
+    policy = policy_with(lambda rows: 0.010 + 0.0005 * rows, {i: 0.6 for i in range(4)})
+    policy.costs.observe_drafter(2, 2 * 1e-3 + 1000 * 20e-6, 1000)
+    assert policy.costs.per_draft_token < 1e-4
+    assert policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0] > 0
+    for _ in range(10):
+        policy.costs.observe_drafter(2, 2 * 1e-3)
+    assert policy.costs.per_draft_token == pytest.approx(1e-3, rel=0.05)
+    assert policy.costs.per_catch_up_token == pytest.approx(20e-6, rel=0.05)
+
+
 def test_a_new_sequence_starts_from_the_methods_rate():
     policy = policy_with(lambda rows: 0.01 + 0.0001 * rows, {1: 0.9})
     assert policy.acceptance(99)[0] > 0.8          # learned from sequence 1, through the method-wide prior

@@ -146,6 +146,11 @@ class StepCosts:
         c, r = ((y[0] * b - ab * y[1]) / det, (a * y[1] - ab * y[0]) / det) if det > 1e-6 * a * b else (-1.0, -1.0)
         if c >= 0 and r >= 0:
             self.per_draft_token, self.per_catch_up_token = c, r
+        elif ab > 0 and self.per_catch_up_token == 0:
+            # catch-up in every call so far, and never separated from drafting: one cost per token of either kind.
+            # Laid on the draft tokens alone, a first call over a whole prompt (2 drafts, 1,000 tokens caught up)
+            # priced a draft token at the prompt's cost, and a drafter held at 0 found no call to correct it
+            self.per_draft_token = self.per_catch_up_token = (y[0] + y[1]) / (a + 2 * ab + b)
         else:           # no catch-up to separate (or a fit below 0 in one term): the other term takes all of it
             self.per_draft_token = max(0.0, y[0] - ab * self.per_catch_up_token) / a
 
