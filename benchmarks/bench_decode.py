@@ -120,6 +120,7 @@ def weight_bytes_per_token(model) -> int:
         if isinstance(m, InferenceLinear):
             kernel = m.by_bucket[0]
             tensors = [v for v in getattr(kernel, "keywords", {}).values() if isinstance(v, torch.Tensor)]
+            tensors += [v for v in getattr(kernel, "__dict__", {}).values() if isinstance(v, torch.Tensor)]
             tensors += [c.cell_contents for c in (getattr(kernel, "__closure__", None) or ())
                         if isinstance(c.cell_contents, torch.Tensor)]
             total += sum(t.numel() * t.element_size() for t in tensors)

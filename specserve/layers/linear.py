@@ -11,7 +11,7 @@ file (`kernel_cache_path`) keyed by CPU model, torch version, threads, dtype and
 
 Candidates only ever compute the same product: in bf16 they must give the same bits as F.linear on a probe (so
 a verify step's rows are the rows plain decoding would produce), in fp32 the same sums to rounding; an int8
-or int4 weight has a single kernel. Packing is a module swap done by the engine after loading; training never sees it.
+or int4 weight has a single kernel (w4a8 where the CPU runs it). Packing is a module swap done by the engine after loading; training never sees it.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers.quantization import INT4_GROUP, can_quantize_int4, int4_linear, int8_linear, quantize_int4, quantize_int8
+from specserve.layers import kernels
+from specserve.layers.quantization import (INT4_GROUP, W4A8Linear, can_quantize_int4, int4_linear, int8_linear,
+                                           quantize_int4, quantize_int8)
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,10 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 def candidates(device: torch.device, dtype: torch.dtype, quantization: str | None,
                shape: tuple[int, int] | None = None) -> list[str]:
     """The kernels this CPU offers for one weight, first the reference the others must agree with. int4 needs
-    whole groups along the input; a weight without them stays int8."""
+    whole groups along the input; a weight without them stays int8. On CPUs with AVX512-VNNI its products are
+    the native w4a8 kernel's, for outputs in whole tiles of 16 (layers/quantization.py)."""
     if quantization == "int4" and (shape is None or shape[1] % INT4_GROUP == 0):
-        return ["int4"]
+        return ["w4a8"] if shape is not None and shape[0] % 16 == 0 and kernels.w4a8_library() else ["int4"]
     if quantization in ("int8", "int4"):
         return ["int8"]
     return ["linear", "packed"] if can_pack(device, dtype) else ["linear"]
@@ -85,6 +88,8 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> K
             return functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, mat2=packed, qGroupSize=INT4_GROUP,
                                      qScaleAndZeros=scales_and_zeros)
         return functools.partial(int4_linear, packed=packed, scales_and_zeros=scales_and_zeros, bias=bias)
+    if name == "w4a8":
+        return W4A8Linear(weight, bias)
     raise ValueError(f"unknown kernel {name!r}")
 
 
