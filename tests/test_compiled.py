@@ -63,14 +63,23 @@ def test_compiled_forward_is_close_to_eager(compiled_demo):
     assert agree >= 0.9
 
 
-def test_a_second_compiled_model_keeps_its_own_graph_and_int8_products_are_in_it(compiled_demo, qwen3_dir):
+@pytest.mark.parametrize("native", [False, True])
+def test_a_second_compiled_model_keeps_its_own_graph_and_int8_products_are_in_it(compiled_demo, qwen3_dir, native,
+                                                                                  monkeypatch):
     """Dynamo keeps graphs per code object and the guards on weights are dropped: without a code object of its
-    own, this model would run the demo model's graph. Its int8 products are aten ops the graph calls itself."""
+    own, this model would run the demo model's graph. Its int8 products are torch's aten ops the graph calls
+    itself, or (native, on an AVX512-VNNI CPU) the native kernel behind the opaque specserve::linear."""
+    from specserve.layers import kernels
     from specserve.models.compiled import graph_linear
+    if native and kernels.a8_linear_library() is None:
+        pytest.skip("no AVX512-VNNI (or no C compiler) on this CPU")
+    if not native:
+        monkeypatch.setattr(kernels, "a8_linear_library", lambda: None)
     llm = LLM(str(qwen3_dir), speculative_method="ngram", compile=True, quantization="int8", dtype="bfloat16",
               enable_prefix_caching=False)
     qkv = graph_linear(llm.engine.model.model.layers[0].self_attn.qkv_proj)
-    assert isinstance(qkv, functools.partial) and qkv.func is torch.ops.aten._weight_int8pack_mm
+    expected = torch.ops.specserve.linear if native else torch.ops.aten._weight_int8pack_mm
+    assert isinstance(qkv, functools.partial) and qkv.func is expected
     compiled, eager = forward_both_ways(llm, list(range(5, 40)))
     torch.testing.assert_close(compiled.float(), eager.float(), atol=0.05, rtol=0.05)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_assistant_tokens=0)

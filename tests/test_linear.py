@@ -9,9 +9,9 @@ import transformers
 from torch import nn
 
 from specserve.runtime.model_runner import ForwardItem, ModelRunner
-from specserve.layers import kernels, linear
+from specserve.layers import linear
 from specserve.layers.linear import InferenceLinear, inference_linears, make_kernel, pack_linears
-from specserve.layers.quantization import dequantize_int8, quantize_int8
+from specserve.layers.quantization import HEAD_QUANTIZATION, dequantize_int8, quantize_int8
 from specserve.llm import LLM
 from specserve.models.llama import rms_norm, rms_norm_fused
 from specserve.models.registry import load_model
@@ -234,8 +234,10 @@ def test_quantized_model_logits_close_to_bf16(model_dir, quantization, bound):
     ids = torch.randint(0, 400, (30,)).tolist()
     bf16 = run_logits(load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16), torch.bfloat16, ids)
     quantized = load_model(model_dir, torch.bfloat16).pack(CPU, torch.bfloat16, quantization)
-    kernel = {"int8": "int8", "int4": linear.candidates(CPU, torch.bfloat16, "int4", (64, 64))[0]}[quantization]
-    assert all(m.choice == [kernel] * 4 for m in quantized.modules() if isinstance(m, InferenceLinear))
+    for name, m in quantized.named_modules():
+        if isinstance(m, InferenceLinear):
+            q = HEAD_QUANTIZATION.get(quantization, quantization) if name == "lm_head" else quantization
+            assert m.choice == linear.candidates(CPU, torch.bfloat16, q, (m.out_features, m.in_features)) * 4
     got = run_logits(quantized, torch.bfloat16, ids)
     assert (got - bf16).abs().max() <= bound * bf16.abs().max()
     assert (got - bf16).abs().max() > 0                                               # it is quantized
@@ -271,8 +273,8 @@ def test_quantized_engine_speculation_equals_quantized_plain(qwen3_dir, dtype, q
         llm = LLM(str(qwen3_dir), dtype=dtype, kv_cache_memory_gb=0.01, speculative_method=method,
                   quantization=quantization)
         assert isinstance(llm.engine.model.lm_head, InferenceLinear)
-        assert llm.engine.model.lm_head.choice[0] == ("w4a8" if quantization == "int4" and
-                                                      kernels.w4a8_library() else quantization)
+        head = llm.engine.model.lm_head
+        assert head.choice[0] == linear.candidates(CPU, torch.bfloat16, "int8", (head.out_features, head.in_features))[0]
         outs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["none"] == outs["ngram"]
     assert all(len(t) == 24 for t in outs["none"])

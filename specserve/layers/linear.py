@@ -11,7 +11,7 @@ file (`kernel_cache_path`) keyed by CPU model, torch version, threads, dtype and
 
 Candidates only ever compute the same product: in bf16 they must give the same bits as F.linear on a probe (so
 a verify step's rows are the rows plain decoding would produce), in fp32 the same sums to rounding; an int8
-or int4 weight has a single kernel (w4a8 where the CPU runs it). Packing is a module swap done by the engine after loading; training never sees it.
+or int4 weight has a single kernel (the native one where the CPU runs it). Packing is a module swap done by the engine after loading; training never sees it.
 """
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.layers import kernels
-from specserve.layers.quantization import (INT4_GROUP, W4A8Linear, can_quantize_int4, int4_linear, int8_linear,
-                                           quantize_int4, quantize_int8)
+from specserve.layers.quantization import (HEAD_QUANTIZATION, INT4_GROUP, A8Linear, can_quantize_int4, int4_linear,
+                                           int8_linear, native_kernel, quantize_int4, quantize_int8)
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +55,14 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def candidates(device: torch.device, dtype: torch.dtype, quantization: str | None,
                shape: tuple[int, int] | None = None) -> list[str]:
-    """The kernels this CPU offers for one weight, first the reference the others must agree with. int4 needs
-    whole groups along the input; a weight without them stays int8. On CPUs with AVX512-VNNI its products are
-    the native w4a8 kernel's, for outputs in whole tiles of 16 (layers/quantization.py)."""
+    """The kernels this CPU offers for one weight, first the reference the others must agree with. A quantized
+    weight takes the native kernel where the CPU and its shape allow (layers/quantization.py), else torch's; int4
+    needs whole groups along the input, and a weight without them stays int8."""
+    native = native_kernel(quantization, shape) if quantization and shape else None
+    if native:
+        return [native]
     if quantization == "int4" and (shape is None or shape[1] % INT4_GROUP == 0):
-        return ["w4a8"] if shape is not None and shape[0] % 16 == 0 and kernels.w4a8_library() else ["int4"]
+        return ["int4"]
     if quantization in ("int8", "int4"):
         return ["int8"]
     return ["linear", "packed"] if can_pack(device, dtype) else ["linear"]
@@ -88,8 +90,8 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> K
             return functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, mat2=packed, qGroupSize=INT4_GROUP,
                                      qScaleAndZeros=scales_and_zeros)
         return functools.partial(int4_linear, packed=packed, scales_and_zeros=scales_and_zeros, bias=bias)
-    if name == "w4a8":
-        return W4A8Linear(weight, bias)
+    if name in ("w8a8", "w4a8"):
+        return A8Linear(weight, bias, bits=8 if name == "w8a8" else 4)
     raise ValueError(f"unknown kernel {name!r}")
 
 
@@ -259,17 +261,17 @@ def inference_linears(layers: list[tuple[torch.Tensor, torch.Tensor | None]], de
 def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype,
                  quantization: str | None = None, extra: dict[str, tuple[torch.Tensor, None]] | None = None) -> nn.Module:
     """Swaps every nn.Linear of `dtype` under `module` for an InferenceLinear on CPU; returns `module`.
-    `extra` names more (weight, bias) pairs to set as attributes of `module` (a tied head's copy)."""
+    `extra` names more (weight, bias) pairs to set as attributes of `module` (a tied head's copy). An output head
+    (`lm_head`) takes HEAD_QUANTIZATION's precision where it differs."""
     if device.type != "cpu":
         return module
-    sites = [(owner, name, child) for owner in module.modules() for name, child in owner.named_children()
-             if isinstance(child, nn.Linear) and child.weight.dtype == dtype]
-    pairs = [(c.weight, c.bias) for _, _, c in sites] + list((extra or {}).values())
-    if not pairs:
-        return module
-    linears = inference_linears(pairs, device, dtype, quantization)
-    for (owner, name, _), lin in zip(sites, linears):
-        setattr(owner, name, lin)
-    for name, lin in zip(extra or {}, linears[len(sites):]):
-        setattr(module, name, lin)
+    sites = [(owner, name, (child.weight, child.bias)) for owner in module.modules()
+             for name, child in owner.named_children() if isinstance(child, nn.Linear) and child.weight.dtype == dtype]
+    sites += [(module, name, pair) for name, pair in (extra or {}).items()]
+    head = HEAD_QUANTIZATION.get(quantization, quantization)
+    for q in dict.fromkeys((quantization, head)):
+        part = [site for site in sites if (head if site[1] == "lm_head" else quantization) == q]
+        if part:
+            for (owner, name, _), lin in zip(part, inference_linears([pair for *_, pair in part], device, dtype, q)):
+                setattr(owner, name, lin)
     return module

@@ -2,7 +2,7 @@
 (`cc -O3 -march=native -fopenmp`), cached by source, compiler and CPU, and called through ctypes (which
 releases the GIL). They link the OpenMP runtime torch has loaded, so they share its threads.
 
-Where no compiler is found, the CPU lacks what a kernel needs (AVX-512 for attend_row.c, AVX512-VNNI for w4a8.c) or
+Where no compiler is found, the CPU lacks what a kernel needs (AVX-512 for attend_row.c, AVX512-VNNI for a8_linear.c) or
 SPECSERVE_NATIVE_KERNELS=0, the loader returns None and callers keep their torch path."""
 from __future__ import annotations
 
@@ -82,14 +82,15 @@ def attend_row_library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def w4a8_library() -> ctypes.CDLL | None:
-    """kernels/w4a8.c, on CPUs with AVX512-VNNI (and the AVX-512 subsets it uses)."""
+def a8_linear_library() -> ctypes.CDLL | None:
+    """kernels/a8_linear.c, on CPUs with AVX512-VNNI (and the AVX-512 subsets it uses)."""
     if not enabled() or not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(cpu_flags().split()):
         return None
-    lib = load("w4a8")
+    lib = load("a8_linear")
     if lib is not None:
-        lib.w4a8_linear.restype = ctypes.c_int
-        lib.w4a8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+        lib.a8_linear.restype = ctypes.c_int
+        lib.a8_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + \
+            [ctypes.c_int] * 4
     return lib
 
 
