@@ -161,53 +161,87 @@ static inline uint16_t to_bf16(float x) {                     /* round to neares
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+/* One row's attention: its query [Hkv, G, D], K/V bases, slots (or NULL), T context entries, output */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    const int64_t *slots;
+    int T;
+    uint16_t *out;
+} Row;
+
+/* Every (row, K/V head, chunk) of a set of rows as one parallel loop, then every (row, head) combined: one fork
+   for a whole step's rows, its items balanced over the threads. Each row's chunks and their combination are
+   those of the row alone, whatever rows are beside it. Returns 0, or -1 where memory runs out. */
+static int attend_rows(const Row *rows, int n_rows, long k_head_stride, long v_head_stride, long row_stride,
+                       int Hkv, int G, int D, float scale, int num_threads) {
+    int *first = malloc(sizeof(int) * (n_rows + 1));
+    if (!first)
+        return -1;
+    first[0] = 0;
+    for (int r = 0; r < n_rows; r++)
+        first[r + 1] = first[r] + Hkv * ((rows[r].T + CHUNK - 1) / CHUNK);
+    const int items = first[n_rows];
+    float *m = malloc(sizeof(float) * items * G), *l = malloc(sizeof(float) * items * G);
+    float *acc = malloc(sizeof(float) * (size_t)items * G * D);
+    if (!m || !l || !acc) {
+        free(first), free(m), free(l), free(acc);
+        return -1;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        float s[16 * CHUNK];
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            int r = 0;
+            while (first[r + 1] <= item)
+                r++;
+            const Row *row = rows + r;
+            int chunks = (row->T + CHUNK - 1) / CHUNK, local = item - first[r];
+            int h = local / chunks, c = local % chunks, t0 = c * CHUNK, n = row->T - t0 < CHUNK ? row->T - t0 : CHUNK;
+            long at = row->slots ? 0 : (long)t0 * row_stride;          /* slots: row t is slots[t], read in place */
+            attend_chunk_any(row->q + (long)h * G * D, row->k + h * k_head_stride + at, row->v + h * v_head_stride + at,
+                             row->slots ? row->slots + t0 : NULL, row_stride, n, G, D, scale, s, m + item * G,
+                             l + item * G, acc + (long)item * G * D);
+        }
+#pragma omp for schedule(static)
+        for (int rh = 0; rh < n_rows * Hkv; rh++) {
+            int r = rh / Hkv, h = rh % Hkv, chunks = (rows[r].T + CHUNK - 1) / CHUNK, base = first[r] + h * chunks;
+            for (int g = 0; g < G; g++) {
+                float top = -INFINITY, total = 0.0f, o[D];
+                for (int c = 0; c < chunks; c++)
+                    top = m[(base + c) * G + g] > top ? m[(base + c) * G + g] : top;
+                memset(o, 0, sizeof(o));
+                for (int c = 0; c < chunks; c++) {
+                    int item = base + c;
+                    float w = expf(m[item * G + g] - top);
+                    total += w * l[item * G + g];
+                    const float *a = acc + ((long)item * G + g) * D;
+                    for (int d = 0; d < D; d++)
+                        o[d] += w * a[d];
+                }
+                for (int d = 0; d < D; d++)
+                    rows[r].out[((long)h * G + g) * D + d] = to_bf16(o[d] / total);
+            }
+        }
+    }
+    free(first), free(m), free(l), free(acc);
+    return 0;
+}
+
 /* Returns 0, or -1 for a shape it does not handle (D not a multiple of 32, G above 16): the caller falls back. */
 int attend_row_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
                     long k_head_stride, long v_head_stride, long row_stride, int Hkv, int G, int T, int D,
                     float scale, uint16_t *out, int num_threads) {
     if (D % 32 != 0 || G > 16 || T <= 0)
         return -1;
-    int chunks = (T + CHUNK - 1) / CHUNK, items = Hkv * chunks;
-    float *m = malloc(sizeof(float) * items * G), *l = malloc(sizeof(float) * items * G);
-    float *acc = malloc(sizeof(float) * items * G * D);
-    if (!m || !l || !acc) {
-        free(m), free(l), free(acc);
-        return -1;
-    }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int item = 0; item < items; item++) {
-        float s[16 * CHUNK];
-        int h = item / chunks, c = item % chunks, t0 = c * CHUNK, n = T - t0 < CHUNK ? T - t0 : CHUNK;
-        long first = slots ? 0 : (long)t0 * row_stride;             /* slots: row t is slots[t], read in place */
-        attend_chunk_any(q + (long)h * G * D, k + h * k_head_stride + first, v + h * v_head_stride + first,
-                         slots ? slots + t0 : NULL, row_stride, n, G, D, scale, s, m + item * G, l + item * G,
-                         acc + (long)item * G * D);
-    }
-    for (int h = 0; h < Hkv; h++)
-        for (int g = 0; g < G; g++) {
-            float top = -INFINITY, total = 0.0f, o[D];
-            for (int c = 0; c < chunks; c++)
-                top = m[(h * chunks + c) * G + g] > top ? m[(h * chunks + c) * G + g] : top;
-            memset(o, 0, sizeof(o));
-            for (int c = 0; c < chunks; c++) {
-                int item = h * chunks + c;
-                float w = expf(m[item * G + g] - top);
-                total += w * l[item * G + g];
-                const float *a = acc + ((long)item * G + g) * D;
-                for (int d = 0; d < D; d++)
-                    o[d] += w * a[d];
-            }
-            for (int d = 0; d < D; d++)
-                out[((long)h * G + g) * D + d] = to_bf16(o[d] / total);
-        }
-    free(m), free(l), free(acc);
-    return 0;
+    Row row = {q, k, v, slots, T, out};
+    return attend_rows(&row, 1, k_head_stride, v_head_stride, row_stride, Hkv, G, D, scale, num_threads);
 }
 
 /* A forward's decode and verify rows for one layer, in one call (the Python around a row cost more than its
    attention at short contexts: ~100 us a layer against a few us of work). Writes the new tokens' K/V into the
-   cache, then attends each row over its prefix with attend_row_bf16, so a row's bits are those of a row
-   attended alone.
+   cache, then attends every row over its prefix in one parallel loop (attend_rows), each row's bits those of
+   the row attended alone.
 
    seqs [n_seqs, 5] int64: each sequence's first flat row, number of new rows, cached tokens before them, the
    first cache slot of its context when that context is one run of slots (else -1), and the offset in `slots`
@@ -229,16 +263,21 @@ int attend_chains_bf16(const int64_t *seqs, int n_seqs, const int64_t *slots, co
             }
         }
     }
-    for (int i = 0; i < n_seqs; i++) {
+    int n_rows = 0;
+    for (int i = 0; i < n_seqs; i++)
+        n_rows += (int)seqs[5 * i + 1];
+    Row *rows = malloc(sizeof(Row) * (n_rows > 0 ? n_rows : 1));
+    if (!rows)
+        return -1;
+    for (int i = 0, at = 0; i < n_seqs; i++) {
         const int64_t *s = seqs + 5 * i;
         for (long r = 0; r < s[1]; r++) {
             long row = s[0] + r, first = s[3] >= 0 ? s[3] * D : 0;
-            int status = attend_row_bf16(q + row * q_row, kc + first, vc + first, s[3] >= 0 ? NULL : slots + s[4],
-                                         head_stride, head_stride, D, Hkv, G, (int)(s[2] + r + 1), D, scale,
-                                         out + row * (long)Hkv * G * D, num_threads);
-            if (status != 0)
-                return status;
+            rows[at++] = (Row){q + row * q_row, kc + first, vc + first, s[3] >= 0 ? NULL : slots + s[4],
+                               (int)(s[2] + r + 1), out + row * (long)Hkv * G * D};
         }
     }
-    return 0;
+    int status = attend_rows(rows, n_rows, head_stride, head_stride, D, Hkv, G, D, scale, num_threads);
+    free(rows);
+    return status;
 }
