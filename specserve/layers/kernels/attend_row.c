@@ -78,14 +78,15 @@ static inline __attribute__((always_inline)) void attend_chunk(
 #define ROW(t) ((slots ? slots[t] : (long)(t)) * row_stride)
     for (int t0 = 0; t0 < n; t0 += 16) {                       /* 16 slots' rows stay in L1 for the G queries */
         __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+        const uint16_t *krow[16];
+        for (int j = 0; j < 16; j++)                           /* past the end: row n - 1 again, masked below */
+            krow[j] = k + ROW(t0 + j < n ? t0 + j : n - 1);
         for (int g = 0; g < G; g++) {
             __m512 a[16];
             for (int j = 0; j < 16; j++) {
                 a[j] = _mm512_setzero_ps();
-                if (t0 + j < n)
-                    for (int d = 0; d < D; d += 32)
-                        a[j] = dot_pairs(a[j], _mm512_loadu_si512(k + ROW(t0 + j) + d),
-                                         _mm512_loadu_si512(q + (long)g * D + d));
+                for (int d = 0; d < D; d += 32)
+                    a[j] = dot_pairs(a[j], _mm512_loadu_si512(krow[j] + d), _mm512_loadu_si512(q + (long)g * D + d));
             }
             _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
         }
