@@ -63,8 +63,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         help="weights and activations dtype; auto: the checkpoint's on CUDA, on CPU bfloat16 for a "
                              "bfloat16 checkpoint (where oneDNN supports it), else float32")
     engine.add_argument("--quantization", choices=["int8", "int4"],
-                        help="weight-only int8 (per row) or int4 (groups of 32) linears on CPU, quantized at load "
-                             "(default: none)")
+                        help="int8 or int4 linears on CPU, quantized at load in groups of 32 (int4 keeps the "
+                             "output head int8); with AVX512-VNNI the activations are quantized to int8 too and "
+                             "multiplied by integer dot products, else weight-only (default: none)")
     engine.add_argument("--compile", action="store_true", default=None,
                         help="run the model's forward as torch.compile graphs (CPU; needs a C++ compiler): fewer, "
                              "fused ops a step; the first start compiles for about two minutes, later ones "
