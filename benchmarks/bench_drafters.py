@@ -8,6 +8,7 @@ time drifts with their load (wall-clock figures are printed too); plain decoding
 method's rows, and each speedup is against the plain run just before it. Prints a markdown table; --json writes the rows.
 
     python benchmarks/bench_drafters.py [--k 1,...,8,auto] [--trees 2:3:8,...] [--per-kind 2] [--max-tokens 64]
+        [--quantization int4] [--compile] [--threads 1]
 """
 from __future__ import annotations
 
@@ -81,13 +82,17 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=2, help="held-out prompts per group")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--sampled-k", type=int, default=5, help="k of the temperature-0.7 row")
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None, help="the target's (drafters stay bf16)")
+    ap.add_argument("--compile", action="store_true", help="the target's forward as torch.compile graphs")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    engine = dict(num_threads=args.threads, quantization=args.quantization, compile=args.compile)
     ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
     trees = [tuple(int(x) for x in t.split(":")) for t in args.trees.split(",") if t]
     conversations = heldout_conversations(args.prompts or args.drafters / "heldout_prompts.jsonl",
                                           args.groups.split(","), args.per_kind)
-    plain_llm = LLM(speculative_method="none", num_threads=1)
+    plain_llm = LLM(speculative_method="none", **engine)
     rows = []
 
     def plain() -> dict:
@@ -99,7 +104,7 @@ def main() -> None:
     measure(plain_llm, conversations[:1], SamplingParams(temperature=0, max_tokens=8))     # warm-up
     for method in args.methods.split(","):
         folder = None if method == "ngram" else str(args.drafters / method)
-        llm = LLM(speculative_method=method, draft_model=folder, num_threads=1, ngram_cache=False)
+        llm = LLM(speculative_method=method, draft_model=folder, ngram_cache=False, **engine)
         measure(llm, conversations[:1], SamplingParams(temperature=0, max_tokens=8))
         base = plain()
         for setting in settings_of(method, ks, trees, args.sampled_k):
@@ -109,7 +114,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         del llm
     print(f"\nbatch 1, chat template, {len(conversations)} held-out prompts ({args.groups}), up to {args.max_tokens} "
-          f"new tokens each, greedy unless T=0.7, one engine thread; tok/s per CPU-second (wall-clock tok/s beside "
+          f"new tokens each, greedy unless T=0.7, {args.threads} engine thread(s), target quantization "
+          f"{args.quantization or 'none'}{' --compile' if args.compile else ''}; tok/s per CPU-second (wall-clock tok/s beside "
           f"it); speedup against the plain row above it, in CPU time")
     print("| method | mean acceptance length | mean draft length | output tok/s (CPU time) | wall tok/s | speedup vs plain |")
     print("|---|---|---|---|---|---|")

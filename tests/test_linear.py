@@ -278,3 +278,22 @@ def test_quantized_engine_speculation_equals_quantized_plain(qwen3_dir, dtype, q
         outs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["none"] == outs["ngram"]
     assert all(len(t) == 24 for t in outs["none"])
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft", "mtp"])
+def test_drafters_take_the_targets_quantization_and_speculation_stays_exact(method):
+    """Under --quantization int4 a drafter's own weights are quantized too (a bf16 drafter cost a third of an int4
+    target step a token), its head at the head's precision; greedy output still equals the int4 target's plain."""
+    from specserve.config import demo_model_dir
+    demo = demo_model_dir()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "To be, or not to be"]
+    plain = LLM(str(demo), dtype="bfloat16", quantization="int4", speculative_method="none")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(demo), dtype="bfloat16", quantization="int4", speculative_method=method,
+              draft_model=str(demo / method))
+    drafter = llm.engine.proposer
+    owned = [m for m in vars(drafter).values() if isinstance(m, nn.Module)]
+    lins = [m for module in owned for m in module.modules() if isinstance(m, InferenceLinear)]
+    assert lins and all(m.choice[0] in ("w4a8", "int4", "w8a8", "int8") for m in lins)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want

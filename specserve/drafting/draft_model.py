@@ -50,8 +50,9 @@ class DraftModelProposer(Proposer):
         self.target_vocab, self.device = ctx.target_config.vocab_size, ctx.device
         ids = find_token_map(ctx.token_map, Path(path), min(c.vocab_size, self.target_vocab))
         self.head = None if ids is None else ReducedHead(
-            (model.model.embed_tokens if model.lm_head is None else model.lm_head).weight, ids, self.target_vocab, ctx.dtype)
-        self.model = model.pack(ctx.device, ctx.dtype)
+            (model.model.embed_tokens if model.lm_head is None else model.lm_head).weight, ids, self.target_vocab, ctx.dtype,
+            ctx.quantization)
+        self.model = model.pack(ctx.device, ctx.dtype, ctx.quantization)
         self.runner = ModelRunner(self.model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                   ctx.num_blocks, ctx.block_size, ctx.dtype, ctx.device)
         self.pending: dict[int, tuple[int, int]] = {}     # seq_id -> (committed length, tokens drafted)

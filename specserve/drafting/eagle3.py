@@ -64,7 +64,7 @@ class Eagle3Proposer(Proposer):
         max_positions = max(self.config.layer.max_position_embeddings, ctx.max_model_len) + MAX_NUM_ASSISTANT_TOKENS
         self.head: Eagle3Head = load_eagle3_head(path, ctx.target.model.embed_tokens, target, ctx.dtype,
                                                  ctx.device, max_positions)
-        pack_for_inference(self.head, ctx.device, ctx.dtype)
+        pack_for_inference(self.head, ctx.device, ctx.dtype, ctx.quantization)
         c = self.config.layer
         self.block_size, self.num_blocks = ctx.block_size, ctx.num_blocks
         self.dtype, self.device = ctx.dtype, ctx.device

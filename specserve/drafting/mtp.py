@@ -64,7 +64,7 @@ class MTPProposer(Proposer):
         source = path or ctx.model_dir
         mtp = load_mtp(source, ctx.target_config, ctx.dtype, ctx.device)
         self.heads = self._reduced_heads(mtp, find_token_map(ctx.token_map, Path(source), ctx.target_config.vocab_size), ctx)
-        self.mtp = pack_for_inference(mtp, ctx.device, ctx.dtype)
+        self.mtp = pack_for_inference(mtp, ctx.device, ctx.dtype, ctx.quantization)
         c, N = self.mtp.config, self.mtp.num_layers
         self.block_size = ctx.block_size
         self.dtype, self.device = ctx.dtype, ctx.device
@@ -94,7 +94,8 @@ class MTPProposer(Proposer):
                         raise ValueError(f"no lm_head.weight in {ctx.model_dir} to cut to the token map; "
                                          f"pass --speculative-token-map none")
                 weight = target_head
-            heads.append(ReducedHead(weight.to(ctx.device), ids, ctx.target_config.vocab_size, ctx.dtype))
+            heads.append(ReducedHead(weight.to(ctx.device), ids, ctx.target_config.vocab_size, ctx.dtype,
+                                     ctx.quantization))
         return heads
 
     @classmethod

@@ -42,6 +42,7 @@ class DrafterContext:
     options: dict[str, int]            # the engine-wide value of every option of the method, num_assistant_tokens too
     cross_request_cache: bool = True   # a drafter may learn from earlier requests (the n-gram cache)
     token_map: str | None = None       # --speculative-token-map: a file, "none", or None for the drafter's own
+    quantization: str | None = None    # the target's --quantization, which a drafter's own weights take too
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.linear import inference_linears
+from specserve.layers.quantization import HEAD_QUANTIZATION
 
 TOKEN_MAP_FILE = "token_map.json"
 NO_TOKEN_MAP = "none"
@@ -63,11 +64,13 @@ class ReducedHead:
     """A head's rows for the mapped tokens only; called on hidden [B, H], it gives logits [B, vocab_size] over
     the target's vocabulary, -inf outside the map."""
 
-    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int, dtype: torch.dtype,
+                 quantization: str | None = None):
         self.vocab_size, self.ids = vocab_size, ids.to(weight.device)
         rows = weight.detach()[self.ids].to(dtype).contiguous()       # [V', H], its own copy
-        if rows.is_cpu:
-            self.linear = inference_linears([(rows, None)], rows.device, dtype)[0]
+        if rows.is_cpu:       # at a head's precision under --quantization (layers/quantization.py)
+            self.linear = inference_linears([(rows, None)], rows.device, dtype,
+                                            HEAD_QUANTIZATION.get(quantization, quantization))[0]
         else:
             self.linear = lambda x: F.linear(x, rows)
 

@@ -24,6 +24,7 @@ tests/test_linear.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specserve.layers import kernels
 
@@ -90,8 +91,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 def native_kernel(quantization: str, shape: tuple[int, int]) -> str | None:
     """The native kernel's name ("w8a8" / "w4a8") for a weight of `shape` [out, in], or None where this CPU or
-    the shape cannot take it (outputs in whole tiles of 16, inputs in whole groups of 32)."""
-    if shape[0] % 16 or shape[1] % INT4_GROUP or kernels.a8_linear_library() is None:
+    the shape cannot take it (inputs in whole groups of 32)."""
+    if shape[1] % INT4_GROUP or kernels.a8_linear_library() is None:
         return None
     return {"int8": "w8a8", "int4": "w4a8"}.get(quantization)
 
@@ -110,8 +111,10 @@ class A8Linear:
     activations in, the same dtype out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int):
-        self.out_features, self.in_features = n, k = weight.shape
+        self.out_features, self.in_features = weight.shape
         self.bits = bits
+        weight = F.pad(weight.detach(), (0, 0, 0, -weight.shape[0] % 16))      # the last tile's zero rows
+        n, k = weight.shape
         if bits == 4:
             q, scales, aux = int4_groups(weight)
             q = q.view(n // 16, 16, k // 8, 2, 4)
@@ -130,13 +133,14 @@ class A8Linear:
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, fp32 [out, in]."""
-        n, k = self.out_features, self.in_features
+        n, k = self.packed.shape[0] * 16, self.in_features                   # the tiles' rows, padding included
         scales = untiled(self.scales).float()[..., None]
         if self.bits == 8:
             q = self.packed.transpose(1, 2).reshape(n, k).float()
-            return (q.view(n, -1, INT4_GROUP) * scales).view(n, k)
+            return (q.view(n, -1, INT4_GROUP) * scales).view(n, k)[:self.out_features]
         q = torch.stack((self.packed & 15, self.packed >> 4), dim=2).permute(0, 3, 1, 2, 4).reshape(n, k).float()
-        return (q.view(n, -1, INT4_GROUP) * scales + untiled(self.aux).float()[..., None]).view(n, k)
+        w = q.view(n, -1, INT4_GROUP) * scales + untiled(self.aux).float()[..., None]
+        return w.view(n, k)[:self.out_features]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous():

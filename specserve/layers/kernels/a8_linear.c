@@ -16,7 +16,8 @@
    fp32, the same operations whatever the number of rows beside it or of threads, so a verify row is the row
    plain decoding computes.
 
-   Packed layouts, in tiles of 16 outputs (row n = 16 t + l, l < 16), 64 bytes a step:
+   Packed layouts, in tiles of 16 outputs (row n = 16 t + l, l < 16; the last tile padded with zero rows), 64 bytes
+   a step:
    4-bit: tile t, inputs 8 b .. 8 b + 7: byte 4 l + j holds q[n, 8 b + j] in its low nibble and q[n, 8 b + 4 + j]
      in its high one (j < 4): one load and two masks give vpdpbusd two 4-input steps of 16 outputs.
    8-bit: tile t, inputs 4 b .. 4 b + 3: byte 4 l + j holds q[n, 4 b + j].
@@ -169,11 +170,11 @@ static void tile_any(int bits, const int8_t *a, const float *d, const float *c, 
 }
 
 /* x [M, K] (bf16 if x_bf16 else fp32, rows contiguous) -> y [M, N] in the same dtype, plus bias (fp32 [N] or
-   NULL), for `bits` 4 or 8 in the layouts above. N a multiple of 16, K of 32; returns -1 otherwise, or where
-   memory runs out. */
+   NULL), for `bits` 4 or 8 in the layouts above, whose last tile is padded to 16 outputs. K a multiple of 32;
+   returns -1 otherwise, or where memory runs out. */
 int a8_linear(int bits, const void *x, int x_bf16, const void *packed, const uint16_t *scales, const void *aux,
               const float *bias, void *y, int M, int K, int N, int num_threads) {
-    if (K % 32 != 0 || N % 16 != 0 || M <= 0 || (bits != 4 && bits != 8))
+    if (K % 32 != 0 || N <= 0 || M <= 0 || (bits != 4 && bits != 8))
         return -1;
     const int G = K / 32, esize = x_bf16 ? 2 : 4;
     int8_t *a = malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G + 4);
@@ -183,11 +184,13 @@ int a8_linear(int bits, const void *x, int x_bf16, const void *packed, const uin
     for (int m = 0; m < M; m++)
         quantize_row((const char *)x + (size_t)m * K * esize, x_bf16, K, bits == 8, a + (size_t)m * K,
                      d + (size_t)m * G, c + (size_t)m * G);
-    const int tiles = N / 16;
+    const int tiles = (N + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int t = 0; t < tiles; t++) {
         float out[ROWS * 16];
-        __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
+        const int width = N - 16 * t < 16 ? N - 16 * t : 16;            /* the last tile's real outputs */
+        const __mmask16 live = (__mmask16)((1u << width) - 1);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + 16 * t) : _mm512_setzero_ps();
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             const int rows = M - m0 < ROWS ? M - m0 : ROWS;
             tile_any(bits, a, d, c, packed, scales, aux, out, m0, rows, t, K);
@@ -197,10 +200,10 @@ int a8_linear(int bits, const void *x, int x_bf16, const void *packed, const uin
                     uint16_t *yr = (uint16_t *)y + (size_t)(m0 + r) * N + 16 * t;
                     float f[16];
                     _mm512_storeu_ps(f, v);
-                    for (int i = 0; i < 16; i++)
+                    for (int i = 0; i < width; i++)
                         yr[i] = to_bf16(f[i]);
                 } else {
-                    _mm512_storeu_ps((float *)y + (size_t)(m0 + r) * N + 16 * t, v);
+                    _mm512_mask_storeu_ps((float *)y + (size_t)(m0 + r) * N + 16 * t, live, v);
                 }
             }
         }
