@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=2, help="held-out prompts per group")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--sampled-k", type=int, default=5, help="k of the temperature-0.7 row")
-    ap.add_argument("--quantization", choices=["int8", "int4"], default=None, help="the target's (drafters stay bf16)")
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None, help="the target's, which the drafters take too")
     ap.add_argument("--compile", action="store_true", help="the target's forward as torch.compile graphs")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)

@@ -56,24 +56,29 @@ def can_quantize_int4(weight: torch.Tensor) -> bool:
     return weight.shape[1] % INT4_GROUP == 0
 
 
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> its groups of INT4_GROUP as w = q * scale + min: q uint8 [out, in] in [0, 15], scales and
-    mins bf16 [out, in / INT4_GROUP]."""
+def int4_ranges(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (its groups of INT4_GROUP fp32 [out, in / INT4_GROUP, INT4_GROUP], each group's min
+    fp32, its scale (max - min) / 15 in bf16)."""
     out, inp = weight.shape
     w = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
     lo, hi = w.amin(-1), w.amax(-1)
-    scales, mins = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16), lo.to(torch.bfloat16)
+    return w, lo, ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16)
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> its groups of INT4_GROUP as w = q * scale + min: q uint8 [out, in] in [0, 15], scales and
+    mins bf16 [out, in / INT4_GROUP]."""
+    w, lo, scales = int4_ranges(weight)
+    mins = lo.to(torch.bfloat16)
     q = torch.round((w - mins.float()[..., None]) / scales.float()[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q.view(out, inp), scales, mins
+    return q.view(weight.shape), scales, mins
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (packed uint8 [out, in / 2] in the CPU kernel's layout, scales_and_zeros bf16
     [in / INT4_GROUP, out, 2])."""
     out, inp = weight.shape
-    w = weight.detach().float().view(out, inp // INT4_GROUP, INT4_GROUP)
-    lo, hi = w.amin(-1), w.amax(-1)
-    scales = ((hi - lo) / 15).clamp_min(1e-12).to(torch.bfloat16)
+    w, lo, scales = int4_ranges(weight)
     zeros = (lo + 8 * scales.float()).to(torch.bfloat16)                   # w = (q - 8) * scale + zero
     base = zeros.float() - 8 * scales.float()
     q = torch.round((w - base[..., None]) / scales.float()[..., None]).clamp_(0, 15).to(torch.int32).view(out, inp)
@@ -119,11 +124,9 @@ class A8Linear:
             q, scales, aux = int4_groups(weight)
             q = q.view(n // 16, 16, k // 8, 2, 4)
             self.packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
-        else:
-            w = weight.detach().float().view(n, -1, INT4_GROUP)
-            scales = (w.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.bfloat16)
-            q = torch.round(w / scales.float()[..., None]).clamp_(-127, 127).to(torch.int8)
-            aux = q.sum(-1, dtype=torch.int16)                                  # each group's sum(q)
+        else:                 # int8's one scale a row, here a row per group of 32 (Q8_0)
+            q, scales = quantize_int8(weight.reshape(-1, INT4_GROUP))
+            scales, aux = scales.view(n, -1), q.view(n, -1, INT4_GROUP).sum(-1, dtype=torch.int16)   # aux: sum(q)
             self.packed = q.view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
         self.scales, self.aux = tiled(scales), tiled(aux)
         self.bias = None if bias is None else bias.detach().float().contiguous()
