@@ -57,6 +57,35 @@ def make_checkpoint(out: Path, arch: str = "qwen3", vocab_size: int = 400, hidde
     return out
 
 
+def write_eagle3_head(out: Path, hidden: int, vocab_size: int, draft_vocab_size: int, aux_layer_ids: list[int],
+                      intermediate: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
+                      max_positions: int, seed: int = 0) -> Path:
+    """A random EAGLE3 head in the published layout (EAGLE, SpecForge): one Llama layer whose q/k/v read
+    2 x hidden, fc over three target layers, a draft vocabulary mapped by d2t. Acceptance does not matter."""
+    from safetensors.torch import save_file
+    H, I, V, Vd = hidden, intermediate, vocab_size, draft_vocab_size
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05
+    d2t = torch.randperm(V, generator=g)[:Vd].sort().values
+    w = {"fc.weight": r(H, 3 * H), "midlayer.self_attn.q_proj.weight": r(heads * head_dim, 2 * H),
+         "midlayer.self_attn.k_proj.weight": r(kv_heads * head_dim, 2 * H),
+         "midlayer.self_attn.v_proj.weight": r(kv_heads * head_dim, 2 * H),
+         "midlayer.self_attn.o_proj.weight": r(H, heads * head_dim), "midlayer.mlp.gate_proj.weight": r(I, H),
+         "midlayer.mlp.up_proj.weight": r(I, H), "midlayer.mlp.down_proj.weight": r(H, I),
+         "midlayer.input_layernorm.weight": 1 + r(H), "midlayer.hidden_norm.weight": 1 + r(H),
+         "midlayer.post_attention_layernorm.weight": 1 + r(H), "norm.weight": 1 + r(H), "lm_head.weight": r(Vd, H),
+         "d2t": d2t - torch.arange(Vd), "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, d2t, True)}
+    out.mkdir(parents=True)
+    save_file(w, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": 1e-5, "rope_theta": rope_theta, "max_position_embeddings": max_positions, "vocab_size": V,
+        "draft_vocab_size": Vd, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}}))
+    return out
+
+
 def make_drafts_free(llm, monkeypatch) -> None:
     """The draft policy's cost model pinned to free drafts and verify rows, so that "auto" drafts whatever the
     CPU measured at start-up (a chi-square test of "auto" needs drafts; on a fast CPU a tiny random drafter

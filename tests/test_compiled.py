@@ -16,66 +16,79 @@ from specserve.llm import LLM
 from specserve.runtime.model_runner import ForwardItem
 from specserve.sampling_params import SamplingParams
 
+from conftest import write_eagle3_head
+
 DEMO = Path(specserve.__file__).parent / "demo_model"
 PROMPTS = ["To be, or not to be, that is the question:", "Shall I compare thee to a summer's day?",
            "The quick brown fox"]
 
 
 @pytest.fixture(scope="module")
-def compiled_demo() -> LLM:
+def compiled_qwen3(qwen3_dir, tmp_path_factory) -> LLM:
+    """The 2-layer random qwen3 under compile, with a random EAGLE3 head reading the states entering its layers 0
+    and 1 (equality is what is tested, not acceptance; a small target keeps inductor's lowering short)."""
+    head = write_eagle3_head(tmp_path_factory.mktemp("compiled") / "eagle3", hidden=64, vocab_size=400,
+                             draft_vocab_size=64, aux_layer_ids=[0, 1, 1], intermediate=128, heads=4, kv_heads=2,
+                             head_dim=16, rope_theta=10000.0, max_positions=1024)
     # prefix caching off: a cached prompt's last chunk is attended in another shape than a cold one (its last
     # bits can differ), and each prompt here runs several times
-    return LLM(str(DEMO), speculative_method="eagle3", compile=True, enable_prefix_caching=False)
+    return LLM(str(qwen3_dir), speculative_method="eagle3", draft_model=str(head), compile=True,
+               enable_prefix_caching=False)
 
 
-def greedy(llm: LLM, k, **options) -> list[list[int]]:
+def greedy(llm: LLM, k, **options) -> tuple[list[list[int]], int]:
     params = SamplingParams.from_dict(dict(temperature=0, max_tokens=40, ignore_eos=True, num_assistant_tokens=k,
                                            **options))
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    outs = llm.generate(PROMPTS, params)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)     # a failed step would finish them empty
+    return [o.outputs[0].token_ids for o in outs], sum(o.spec["num_draft_tokens"] for o in outs)
 
 
+# strict: passes once fixed. The compiled forward returns no aux hidden states (runner.forward(items, (0, 1))[1] is
+# []), so EAGLE3's first step raises IndexError and every request ends empty; before the length check in
+# greedy() this test compared two empty outputs and passed.
+@pytest.mark.xfail(strict=True, reason="compiled forward returns no aux hidden states: EAGLE3 fails under --compile")
 @pytest.mark.parametrize("k, options", [(3, {}), (6, {"branching_factor": 2, "tree_depth": 2}), ("auto", {})])
-def test_greedy_speculation_under_compile_equals_plain(compiled_demo, k, options):
-    assert compiled_demo.engine.model.compiled is not None
-    plain = greedy(compiled_demo, 0)
-    assert greedy(compiled_demo, k, **options) == plain
+def test_greedy_speculation_under_compile_equals_plain(compiled_qwen3, k, options):
+    assert compiled_qwen3.engine.model.compiled is not None
+    plain, _ = greedy(compiled_qwen3, 0)
+    tokens, num_drafted = greedy(compiled_qwen3, k, **options)
+    assert tokens == plain
+    assert num_drafted > 0 or k == "auto"      # auto may rightly draft nothing with a random head
 
 
 def forward_both_ways(llm: LLM, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The hidden states of a prompt's forward, compiled and eager, in fresh blocks."""
     engine, model = llm.engine, llm.engine.model
     item = ForwardItem(list(range(-(-len(token_ids) // engine.block_manager.block_size))), 0, token_ids)
-    compiled, _ = engine.runner.forward([item])
+    # with the proposer's aux layers, as the engine runs it: the graph compiled at start-up, not a third one
+    compiled, _ = engine.runner.forward([item], engine.proposer.aux_layers)
     kept, model.compiled = model.compiled, None
     try:
-        eager, _ = engine.runner.forward([item])
+        eager, _ = engine.runner.forward([item], engine.proposer.aux_layers)
     finally:
         model.compiled = kept
     return compiled, eager
 
 
-def test_compiled_forward_is_close_to_eager(compiled_demo):
-    ids = compiled_demo.engine.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
-    compiled, eager = forward_both_ways(compiled_demo, ids)
+def test_compiled_forward_is_close_to_eager(compiled_qwen3):
+    ids = compiled_qwen3.engine.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
+    compiled, eager = forward_both_ways(compiled_qwen3, ids)
     torch.testing.assert_close(compiled.float(), eager.float(), atol=0.1, rtol=0.05)
-    logits = compiled_demo.engine.model.compute_logits
+    logits = compiled_qwen3.engine.model.compute_logits
     agree = (logits(compiled).argmax(-1) == logits(eager).argmax(-1)).float().mean().item()
     assert agree >= 0.9
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_a_second_compiled_model_keeps_its_own_graph_and_int8_products_are_in_it(compiled_demo, qwen3_dir, native,
-                                                                                  monkeypatch):
+def test_a_second_compiled_model_keeps_its_own_graph_and_int8_products_are_in_it(compiled_qwen3, llama_dir):
     """Dynamo keeps graphs per code object and the guards on weights are dropped: without a code object of its
-    own, this model would run the demo model's graph. Its int8 products are torch's aten ops the graph calls
-    itself, or (native, on an AVX512-VNNI CPU) the native kernel behind the opaque specserve::linear."""
+    own, this model (other weights than the qwen3 compiled above) would run that model's graph. Its int8 products
+    are the kernel this CPU selects: the native kernel behind the opaque specserve::linear (AVX512-VNNI and a C
+    compiler), else torch's aten op the graph calls itself."""
     from specserve.layers import kernels
     from specserve.models.compiled import graph_linear
-    if native and kernels.a8_linear_library() is None:
-        pytest.skip("no AVX512-VNNI (or no C compiler) on this CPU")
-    if not native:
-        monkeypatch.setattr(kernels, "a8_linear_library", lambda: None)
-    llm = LLM(str(qwen3_dir), speculative_method="ngram", compile=True, quantization="int8", dtype="bfloat16",
+    native = kernels.a8_linear_library() is not None
+    llm = LLM(str(llama_dir), speculative_method="ngram", compile=True, quantization="int8", dtype="bfloat16",
               enable_prefix_caching=False)
     qkv = graph_linear(llm.engine.model.model.layers[0].self_attn.qkv_proj)
     expected = torch.ops.specserve.linear if native else torch.ops.aten._weight_int8pack_mm
@@ -84,6 +97,7 @@ def test_a_second_compiled_model_keeps_its_own_graph_and_int8_products_are_in_it
     torch.testing.assert_close(compiled.float(), eager.float(), atol=0.05, rtol=0.05)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_assistant_tokens=0)
     plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert all(len(tokens) == 30 for tokens in plain)
     params.num_assistant_tokens = 4
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == plain
 
