@@ -94,17 +94,18 @@ def test_transformers_loads_the_draft_model_with_the_same_logits():
     torch.testing.assert_close(theirs, expected, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,setting", [
-    ("eagle3", dict(num_assistant_tokens=3)), ("eagle3", dict(num_assistant_tokens=7)),
-    ("eagle3", dict(num_assistant_tokens=6, branching_factor=2, tree_depth=3)),
-    ("draft", dict(num_assistant_tokens=4)), ("mtp", dict(num_assistant_tokens=1)), ("mtp", dict(num_assistant_tokens=3)),
+@pytest.mark.parametrize("method,settings", [
+    ("eagle3", [dict(num_assistant_tokens=3), dict(num_assistant_tokens=7),
+                dict(num_assistant_tokens=6, branching_factor=2, tree_depth=3)]),
+    ("draft", [dict(num_assistant_tokens=4)]), ("mtp", [dict(num_assistant_tokens=1), dict(num_assistant_tokens=3)]),
 ])
-def test_greedy_with_each_shipped_drafter_equals_plain(plain, method, setting):
+def test_greedy_with_each_shipped_drafter_equals_plain(plain, method, settings):
     llm = LLM(speculative_method=method, **EXACT)              # no --draft-model: the shipped one is found
     assert llm.engine.spec_method == method
-    outs = llm.chat(CHATS, SamplingParams.from_dict(dict(temperature=0, max_tokens=24, **setting)))
-    assert [o.outputs[0].token_ids for o in outs] == plain
-    assert sum(o.spec["num_accepted_tokens"] for o in outs) > 0      # trained: it gets some drafts right
+    for setting in settings:                                    # one engine per drafter, each setting on it
+        outs = llm.chat(CHATS, SamplingParams.from_dict(dict(temperature=0, max_tokens=24, **setting)))
+        assert [o.outputs[0].token_ids for o in outs] == plain, setting
+        assert sum(o.spec["num_accepted_tokens"] for o in outs) > 0, setting     # trained: it gets some drafts right
 
 
 def test_generate_eagle3_reports_acceptance_with_no_extra_flags(capsys):

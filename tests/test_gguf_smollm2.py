@@ -15,7 +15,6 @@ import pytest
 import torch
 import transformers
 from fastapi.testclient import TestClient
-from safetensors.torch import save_file
 
 import specserve.config
 from specserve.cli import main
@@ -29,10 +28,13 @@ from specserve.sampling_params import SamplingParams
 from specserve.server.api_server import build_app
 from specserve.server.cli import add_serve_parser, resolve_serve_args
 
+from conftest import write_eagle3_head
+
 CHATS = [[{"role": "user", "content": "List the colors red, green, blue, red, green, blue, red, green and blue."}],
          [{"role": "user", "content": "Write a Python function that checks if a number is prime."}]]
 SMALL = dict(kv_cache_memory_gb=0.05)
 EXACT = dict(SMALL, dtype="float32")
+MAX_TOKENS = 24         # enough for ngram and every drafter folder to draft on both chats
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,8 @@ def plain(smollm2) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.chat(CHATS, greedy())]
 
 
-def greedy(k: int = 4) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=40, num_assistant_tokens=k)
+def greedy(k: int = 4, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, num_assistant_tokens=k)
 
 
 def drafted(llm: LLM) -> tuple[list[list[int]], int]:
@@ -68,7 +70,7 @@ def test_llm_with_no_model_serves_smollm2_with_ngram_drafting(smollm2):
     assert llm.engine.config.model == smollm2 and llm.engine.spec_method == "ngram"
     prompt = llm.tokenizer.apply_chat_template(CHATS[0])    # the template stored in the GGUF file
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    out = llm.chat(CHATS[1], greedy())[0]
+    out = llm.chat(CHATS[1], greedy(max_tokens=40))[0]
     assert "def is_prime(n):" in out.outputs[0].text and out.spec["num_draft_tokens"] > 0   # a real answer
 
 
@@ -85,7 +87,7 @@ def test_plain_greedy_equals_transformers_on_the_converted_folder(plain):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for chat, ours in zip(CHATS, plain):
         ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-        out = model.generate(ids, max_new_tokens=40, do_sample=False)
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
         assert out[0, ids.shape[1]:].tolist() == ours
 
 
@@ -103,26 +105,9 @@ def random_llama_draft(smollm2, out):
 
 def random_eagle3_head(smollm2, out):
     """A random EAGLE3 head in the published layout, reading SmolLM2's layers 1, 14 and 26."""
-    H, I, V, Vd = 576, 256, 49152, 512
-    g = torch.Generator().manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05
-    d2t = torch.randperm(V, generator=g)[:Vd].sort().values
-    w = {"fc.weight": r(H, 3 * H), "midlayer.self_attn.q_proj.weight": r(4 * 64, 2 * H),
-         "midlayer.self_attn.k_proj.weight": r(64, 2 * H), "midlayer.self_attn.v_proj.weight": r(64, 2 * H),
-         "midlayer.self_attn.o_proj.weight": r(H, 4 * 64), "midlayer.mlp.gate_proj.weight": r(I, H),
-         "midlayer.mlp.up_proj.weight": r(I, H), "midlayer.mlp.down_proj.weight": r(H, I),
-         "midlayer.input_layernorm.weight": 1 + r(H), "midlayer.hidden_norm.weight": 1 + r(H),
-         "midlayer.post_attention_layernorm.weight": 1 + r(H), "norm.weight": 1 + r(H), "lm_head.weight": r(Vd, H),
-         "d2t": d2t - torch.arange(Vd), "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, d2t, True)}
-    out.mkdir()
-    save_file(w, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "vocab_size": V,
-        "draft_vocab_size": Vd, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}))
-    return out
+    return write_eagle3_head(out, hidden=576, vocab_size=49152, draft_vocab_size=512, aux_layer_ids=[1, 14, 26],
+                             intermediate=256, heads=4, kv_heads=1, head_dim=64, rope_theta=100000.0,
+                             max_positions=8192)
 
 
 def random_mtp_layer(smollm2, out):
