@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.attention import attend_one_row
-from specserve.layers.kernels import attend_row_bf16
+from specserve.layers.kernels import attend_row_native
 
 LAYERS, HKV, G, D = 30, 3, 3, 64
 
@@ -45,7 +45,7 @@ CANDIDATES = {                                        # name: (kernel, cache dty
     "bf16 cache, fp32 SDPA over upcast": (sdpa_fp32, torch.bfloat16),
     "bf16 cache, fp32 scores": (fp32_scores, torch.bfloat16),
     "bf16 cache, bf16 products": (bf16_products, torch.bfloat16),
-    "bf16 cache, native kernel (attend_row.c)": (attend_row_bf16, torch.bfloat16),
+    "bf16 cache, native kernel (attend_row.c)": (attend_row_native, torch.bfloat16),
     "bf16 cache, attend_one_row (now)": (attend_one_row, torch.bfloat16),
 }
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py [--sizes small,large] [--dtypes float32,bfloat16] [--repeats 3]
     python benchmarks/bench_decode.py --model-dir /tmp/smollm2-hf --sizes '' [--quantizations none,int8,int4]
+        [--compile] [--kv-cache-dtypes auto,int8]
 
 Random Qwen3 checkpoints (--sizes): batch 1, greedy, 128 new tokens after one code prompt. A real model
 (--model-dir, e.g. the default SmolLM2-135M-Instruct converted to a bf16 HF folder): 12 chat prompts (code and
@@ -64,11 +65,13 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], new_tokens: i
     return run
 
 
-def specserve_llm(model_dir: Path, dtype: str, quantization: str | None = None, compile: bool = False):
+def specserve_llm(model_dir: Path, dtype: str, quantization: str | None = None, compile: bool = False,
+                  kv_cache_dtype: str = "auto"):
     from specserve.llm import LLM
     extra = {"quantization": quantization} if quantization else {}
     return LLM(str(model_dir), dtype=dtype, speculative_method="none", kv_cache_memory_gb=0.5,
-               num_threads=torch.get_num_threads(), enable_prefix_caching=False, compile=compile, **extra)
+               num_threads=torch.get_num_threads(), enable_prefix_caching=False, compile=compile,
+               kv_cache_dtype=kv_cache_dtype, **extra)
 
 
 def specserve_runner(llm, prompts: list[list[int]], new_tokens: int):
@@ -172,9 +175,11 @@ def real_model(args) -> None:
     llms = {}
     for q in args.quantizations.split(","):
         for compiled in (False, True) if args.compile else (False,):
-            name = "specserve bf16" + ("" if q == "none" else f" {q}") + (" --compile" if compiled else "")
-            llms[name] = specserve_llm(model_dir, "bfloat16", None if q == "none" else q, compiled)
-            runs[name] = specserve_runner(llms[name], prompts, args.new_tokens)
+            for kv in args.kv_cache_dtypes.split(","):
+                name = "specserve bf16" + ("" if q == "none" else f" {q}") + (" --compile" if compiled else "") + \
+                    ("" if kv == "auto" else f" --kv-cache-dtype {kv}")
+                llms[name] = specserve_llm(model_dir, "bfloat16", None if q == "none" else q, compiled, kv)
+                runs[name] = specserve_runner(llms[name], prompts, args.new_tokens)
     rates = {name: [] for name in runs}
     for i in range(args.repeats):
         for name, run in runs.items():
@@ -265,6 +270,7 @@ def main() -> None:
     ap.add_argument("--model-dir", help="a real HF model folder with a chat template (e.g. SmolLM2 in bf16)")
     ap.add_argument("--quantizations", default="none,int8,int4", help="specserve variants on --model-dir")
     ap.add_argument("--compile", action="store_true", help="also each specserve variant with --compile")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="each specserve variant with each: auto, int8")
     ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used on --model-dir")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

@@ -66,6 +66,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         help="int8 or int4 linears on CPU, quantized at load in groups of 32 (int4 keeps the "
                              "output head int8); with AVX512-VNNI the activations are quantized to int8 too and "
                              "multiplied by integer dot products, else weight-only (default: none)")
+    engine.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
+                        help="the target's KV cache: auto (the model's dtype) or int8 (a scale per token and head: "
+                             "half the memory of bf16, and half the bytes attention reads at long contexts)"
+                             + default("kv_cache_dtype"))
     engine.add_argument("--compile", action="store_true", default=None,
                         help="run the model's forward as torch.compile graphs (CPU; needs a C++ compiler): fewer, "
                              "fused ops a step; the first start compiles for about two minutes, later ones "

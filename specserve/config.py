@@ -71,6 +71,7 @@ class EngineConfig:
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory_gb: float = 1.0           # budget for all KV caches (target and drafter)
+    kv_cache_dtype: str = "auto"              # the target's K/V: "auto" (the model's dtype) or "int8" (layers/attention.py)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None          # default: the model's max_position_embeddings
@@ -106,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.compile and self.tensor_parallel_size > 1:
             raise ValueError("--compile and --tensor-parallel-size > 1 cannot be combined")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_assistant_tokens is not None:

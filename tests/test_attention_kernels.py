@@ -5,16 +5,17 @@ import pytest
 import torch
 
 from specserve.drafting.tree import Tree
-from specserve.layers.attention import BF16_PRODUCTS_MIN_SLOTS, attend_one_row, kv_cache_dtype, paged_attention
-from specserve.layers.kernels import attend_row_bf16, attend_row_library
+from specserve.layers.attention import (BF16_PRODUCTS_MIN_SLOTS, attend_one_row, dequantize_kv, kv_cache_dtype,
+                                       paged_attention, quantize_kv)
+from specserve.layers.kernels import attend_row_native, attend_row_library
 from specserve.runtime.model_runner import ForwardItem, ModelRunner
 
 HKV, G, D, BLOCK = 3, 3, 64, 16
 LENGTHS = (5, 300, BF16_PRODUCTS_MIN_SLOTS - 3, BF16_PRODUCTS_MIN_SLOTS + 1, 2000)   # contexts before a step
 
 
-def runner(dtype: torch.dtype, num_blocks: int = 160) -> ModelRunner:
-    return ModelRunner(None, 1, HKV, D, num_blocks, BLOCK, dtype, row_by_row=True)
+def runner(dtype: torch.dtype, num_blocks: int = 160, kv_kind: str = "auto") -> ModelRunner:
+    return ModelRunner(None, 1, HKV, D, num_blocks, BLOCK, dtype, row_by_row=True, kv_kind=kv_kind)
 
 
 def attend(r: ModelRunner, items: list[ForwardItem], q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -131,19 +132,19 @@ def test_native_row_kernel_matches_float64_and_its_bits_do_not_depend_on_threads
         cache = torch.randn(2, hkv, t + 9, d, generator=gen).bfloat16()
         keys, values = cache[0, :, 4:4 + t], cache[1, :, 4:4 + t]
         query = (3 * torch.randn(hkv, g, d, generator=gen)).bfloat16()
-        out = attend_row_bf16(query, keys, values)
+        out = attend_row_native(query, keys, values)
         scores = query.double() @ keys.double().transpose(1, 2) / d ** 0.5
         ref = scores.softmax(-1) @ values.double()
         assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
         try:
             torch.set_num_threads(1)
-            assert torch.equal(attend_row_bf16(query, keys.contiguous(), values.contiguous()), out)
+            assert torch.equal(attend_row_native(query, keys.contiguous(), values.contiguous()), out)
         finally:
             torch.set_num_threads(threads)
         slots = torch.randperm(2 * t + 5, generator=gen)[:t]             # a paged context, read where it lies
         paged = torch.zeros(2, hkv, 2 * t + 5, d, dtype=torch.bfloat16)
         paged[:, :, slots] = cache[:, :, 4:4 + t]
-        assert torch.equal(attend_row_bf16(query, paged[0], paged[1], slots), out)
+        assert torch.equal(attend_row_native(query, paged[0], paged[1], slots), out)
 
 
 @native
@@ -154,7 +155,7 @@ def test_attend_one_row_falls_back_to_torch_without_the_native_kernel(monkeypatc
     monkeypatch.setenv("SPECSERVE_NATIVE_KERNELS", "0")
     attend_row_library.cache_clear()
     try:
-        assert attend_row_bf16(query, keys, values) is None
+        assert attend_row_native(query, keys, values) is None
         torch_out = attend_one_row(query, keys, values)            # the bf16 products of oneDNN
     finally:
         attend_row_library.cache_clear()
@@ -187,3 +188,65 @@ def test_a_forward_of_chains_attends_in_one_native_call_with_the_bits_of_row_by_
     assert fast.prepare([tree])[2].chains is None
     assert fast.prepare([items[0], ForwardItem([100, 101, 102], 0, list(range(40)))])[2].chains is None   # a chunk
     assert not ModelRunner(None, 1, 2, 16, 8, BLOCK, torch.bfloat16, row_by_row=True).native_rows   # heads of 16
+
+
+def test_int8_quantization_rounds_to_a_scale_per_row():
+    x = torch.tensor([[0.5, -1.27, 0.0, 0.254], [0.0, 0.0, 0.0, 0.0]]).bfloat16()
+    values, scales = quantize_kv(x)
+    assert values.dtype == torch.int8 and values.abs().max() == 127
+    assert torch.equal(scales, torch.tensor([x[0].float().abs().max().item() / 127, 1.0]))
+    assert torch.equal(values[1], torch.zeros(4, dtype=torch.int8))
+    assert (dequantize_kv(values, scales) - x.float()).abs().max() <= scales[0] / 2
+
+
+@pytest.mark.parametrize("n_ctx", (5, 300, 2000))
+def test_int8_cache_rows_are_close_to_float64_over_the_dequantized_cache(n_ctx):
+    """Chain and tree rows over an int8 cache (native kernel where the CPU has it, else torch over the
+    dequantized context): the output's rounding away from float64 attention over the dequantized K/V, and
+    within the quantization's error of attention over the bf16 K/V."""
+    q, kv = inputs(n_ctx + 6, torch.bfloat16, n_ctx)
+    stored = dequantize_kv(*quantize_kv(kv))
+    table = list(range(-(-(n_ctx + 6) // BLOCK)))
+    r = runner(torch.bfloat16, kv_kind="int8")
+    assert r.kv_cache.dtype == torch.int8
+    attend(r, [ForwardItem(table, 0, list(range(n_ctx)))], q[:n_ctx], kv[:n_ctx])
+    chain = attend(r, [ForwardItem(table, n_ctx, [0] * 6)], q[n_ctx:], kv[n_ctx:])
+    for i in range(6):
+        seen = torch.arange(n_ctx + i + 1)
+        assert_close(chain[i], reference(q[n_ctx + i], stored, seen), torch.bfloat16, 0)
+        ref = reference(q[n_ctx + i], kv, seen)
+        assert (chain[i].double() - ref).abs().max() <= 0.05 * ref.abs().max()
+    tree = Tree([-1, 0, 0, 1, 2, 3])
+    out = attend(r, [ForwardItem(table, n_ctx, [0] * 6, tree_mask=tree.attn_mask)], q[n_ctx:], kv[n_ctx:])
+    for i, row in enumerate(tree.attn_mask):
+        seen = torch.cat((torch.arange(n_ctx), n_ctx + torch.nonzero(row).view(-1)))
+        assert_close(out[i], reference(q[n_ctx + i], stored, seen), torch.bfloat16, 0)
+
+
+@native
+def test_int8_chains_in_one_native_call_write_and_attend_as_the_torch_path():
+    """The native call quantizes the new K/V itself: the cache and scales it writes equal quantize_kv's, and its
+    rows the per-row path's (a run of blocks, a paged context, a fresh one)."""
+    q, kv = inputs(700, torch.bfloat16, 12)
+    tables = [list(range(20)), [40, 41, 43, 42, 60, 61], [90, 91]]
+    lengths = (300, 70, 3)
+    fast, slow = runner(torch.bfloat16, kv_kind="int8"), runner(torch.bfloat16, kv_kind="int8")
+    for r in (fast, slow):
+        for table, n in zip(tables, lengths):
+            attend(r, [ForwardItem(table, 0, list(range(n)))], q[:n], kv[:n])
+    items = [ForwardItem(t, n, [0] * k) for t, n, k in zip(tables, lengths, (1, 6, 3))]
+    _, _, ctx = fast.prepare(items)
+    assert ctx.chains is not None
+    rows_q, rows_kv = q[400:410], kv[400:410]
+    out = paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], ctx, 0)
+    _, _, per_row = slow.prepare(items)
+    per_row.chains = None
+    assert torch.equal(out, paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], per_row, 0))
+    assert torch.equal(fast.kv_cache, slow.kv_cache) and torch.equal(fast.kv_scales, slow.kv_scales)
+    threads = torch.get_num_threads()
+    try:                                  # a row's bits do not depend on the threads
+        torch.set_num_threads(1)
+        _, _, again = fast.prepare(items)
+        assert torch.equal(paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], again, 0), out)
+    finally:
+        torch.set_num_threads(threads)

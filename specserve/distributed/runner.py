@@ -99,11 +99,12 @@ class ParallelRunner:
     tables rank 0's block manager hands out."""
 
     def __init__(self, target: ParallelTarget, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu", row_by_row: bool = False):
+                 block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu", row_by_row: bool = False,
+                 kv_kind: str = "auto"):
         if not row_by_row:
             raise ValueError("a sharded target runs row by row (the target's runner)")
         self.target = target
-        target.execute("make_runner", num_blocks, block_size)
+        target.execute("make_runner", num_blocks, block_size, kv_kind)
 
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return self.target.execute("forward", items, aux_layers)

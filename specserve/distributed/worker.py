@@ -36,11 +36,11 @@ class Shard:
         with torch.inference_mode():
             return getattr(self, op)(*args)
 
-    def make_runner(self, num_blocks: int, block_size: int) -> None:
+    def make_runner(self, num_blocks: int, block_size: int, kv_kind: str = "auto") -> None:
         """The rank's KV cache: its own KV heads, the engine's blocks (the same block tables index every rank's)."""
         c = self.plan.local_config(self.config)
         self.runner = ModelRunner(self.model, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_blocks,
-                                  block_size, self.dtype, self.group.device, row_by_row=True)
+                                  block_size, self.dtype, self.group.device, row_by_row=True, kv_kind=kv_kind)
 
     def forward(self, items, aux_layers):
         return self.runner.forward(items, aux_layers)

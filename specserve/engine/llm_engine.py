@@ -59,15 +59,15 @@ class LLMEngine:
         ctx = DrafterContext(self.model, mc, self.tokenizer, Path(config.model), self.dtype, self.device,
                              config.block_size, 0, self.max_model_len, self.draft_defaults, config.ngram_cache,
                              config.speculative_token_map, config.quantization)
-        target_bytes = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
-                                                self.device)
+        shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+        target_bytes = kv_cache_bytes_per_token(*shape, self.dtype, self.device, config.kv_cache_dtype)
         bytes_per_block = (target_bytes + proposer_cls.kv_bytes_per_token(drafter_path, ctx)) * config.block_size
         num_blocks = int(config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds fewer than 2 blocks")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = (ParallelRunner if tp else ModelRunner)(self.model, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                  num_blocks, config.block_size, self.dtype, self.device, row_by_row=True)
+        self.runner = (ParallelRunner if tp else ModelRunner)(self.model, *shape, num_blocks, config.block_size,
+                                                              self.dtype, self.device, True, config.kv_cache_dtype)
         self.drafter_context = replace(ctx, num_blocks=num_blocks)
         self.proposer: Proposer = proposer_cls.create(drafter_path, self.drafter_context)
         if self.proposer.max_model_len is not None:

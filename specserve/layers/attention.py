@@ -6,15 +6,36 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.kernels import attend_chains_bf16, attend_row_bf16, attend_row_library
+from specserve.layers.kernels import NATIVE_CACHE_DTYPES, attend_chains_native, attend_row_library, attend_row_native
 from specserve.layers.linear import bf16_packing_supported
 
 
-def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """bf16 models keep K/V in bf16, except on a CPU without native bf16 products (AVX2 only), where they are
-    kept in fp32 (the exact bf16 values) and attention runs in fp32: bf16 products are emulated there."""
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str, kind: str = "auto") -> torch.dtype:
+    """"auto": bf16 models keep K/V in bf16, except on a CPU without native bf16 products (AVX2 only), where they
+    are kept in fp32 (the exact bf16 values) and attention runs in fp32: bf16 products are emulated there.
+    "int8" (`--kv-cache-dtype int8`): int8 values with an fp32 scale per token and head (quantize_kv)."""
+    if kind == "int8":
+        return torch.int8
     cpu = torch.device(device).type == "cpu"
     return torch.float32 if dtype == torch.bfloat16 and cpu and not bf16_packing_supported() else dtype
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 [..., D] and fp32 scales [...]: scale = max |x| / 127 (1 for zeros), values round(x /
+    scale), ties to even. The native kernel's writes (quantize_row in kernels/attend_row.c) take the same fp32
+    operations, so a token's K/V have the same bits whichever path wrote them."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / scale.unsqueeze(-1)).to(torch.int8), scale
+
+
+def dequantize_kv(kv: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """kv [..., D] and its scales [...] (None: kv as it is) -> fp32 [..., D]."""
+    return kv if scales is None else kv.float() * scales.unsqueeze(-1)
 
 
 @dataclass(slots=True)
@@ -73,6 +94,7 @@ class ForwardContext:
     positions: torch.Tensor                 # [N] int64, rotary position of each new token
     slot_mapping: torch.Tensor              # [N] int64, flat cache slot each new token's K/V goes to
     kv_cache: torch.Tensor                  # [L, S, 2, kv_heads, head_dim] (a view of head-major storage)
+    kv_scales: torch.Tensor | None          # an int8 cache's scales [L, S, 2, kv_heads] (head-major too); else None
     calls: list[BatchedCall]
     row_by_row: list[RowByRow] | None = None  # sequences attended token by token, in no call
     write_start: int | None = None          # the new tokens' slots are one run from here: written as one copy
@@ -85,34 +107,41 @@ class ForwardContext:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]. Writes k/v into the cache, then attends."""
     cache = ctx.kv_cache[layer]                                                         # [S, 2, Hkv, D]
-    if (chains := ctx.chains) is not None and (out := attend_chains_bf16(
-            q, k, v, cache, chains.addresses[0], len(chains.seqs), chains.addresses[1], chains.num_threads)) is not None:
+    scales = None if ctx.kv_scales is None else ctx.kv_scales[layer]                    # [S, 2, Hkv]
+    if (chains := ctx.chains) is not None and (out := attend_chains_native(
+            q, k, v, cache, scales, chains.addresses[0], len(chains.seqs), chains.addresses[1], chains.num_threads)) is not None:
         return out
-    new_kv = torch.stack((k, v), dim=1).to(cache.dtype)
-    if ctx.write_start is not None:
-        cache[ctx.write_start:ctx.write_start + k.shape[0]].copy_(new_kv)
-    else:
-        cache.index_copy_(0, ctx.slot_mapping, new_kv)
+    new_kv = torch.stack((k, v), dim=1)
+    writes = [(cache, new_kv.to(cache.dtype))] if scales is None else list(zip((cache, scales), quantize_kv(new_kv)))
+    for dst, src in writes:
+        if ctx.write_start is not None:
+            dst[ctx.write_start:ctx.write_start + k.shape[0]].copy_(src)
+        else:
+            dst.index_copy_(0, ctx.slot_mapping, src)
     if len(ctx.calls) == 1 and ctx.calls[0].rows is None:
-        out = batched_attention(q, cache, ctx.calls[0])
+        out = batched_attention(q, cache, ctx.calls[0], scales)
     else:
         out = q.new_empty(q.shape)
         for call in ctx.calls:
-            out[call.rows] = batched_attention(q, cache, call)
+            out[call.rows] = batched_attention(q, cache, call, scales)
     # decoding sequences' rows (beside prompt chunks, or all of them), one by one
-    return out if ctx.row_by_row is None else attend_row_by_row(q, cache, ctx.row_by_row, out)
+    return out if ctx.row_by_row is None else attend_row_by_row(q, cache, ctx.row_by_row, out, scales)
 
 
-def batched_attention(q: torch.Tensor, cache: torch.Tensor, call: BatchedCall) -> torch.Tensor:
-    """The call's rows of q [N, Hq, D], in order, each sequence padded to the longest."""
+def batched_attention(q: torch.Tensor, cache: torch.Tensor, call: BatchedCall, scales: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """The call's rows of q [N, Hq, D], in order, each sequence padded to the longest (an int8 cache's context
+    dequantized with its `scales` first)."""
     B, T = call.context_slots.shape
     if call.context_start is not None:      # a view of the cache: reading 4k slots in place saves a 6 MB copy a layer
-        kv = cache[call.context_start:call.context_start + T].unsqueeze(0)              # [1, T, 2, Hkv, D]
+        run = slice(call.context_start, call.context_start + T)
+        kv = dequantize_kv(cache[run], None if scales is None else scales[run]).unsqueeze(0)  # [1, T, 2, Hkv, D]
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)       # [1, Hkv, T, D] views
     else:
         Hkv, D = cache.shape[2:]
-        kv = cache.index_select(0, call.context_slots.view(-1)).view(B, T, 2 * Hkv, D).transpose(1, 2)
-        keys, values = kv.chunk(2, dim=1)                                               # [B, Hkv, T, D] each
+        slots = call.context_slots.view(-1)
+        kv = dequantize_kv(cache.index_select(0, slots), None if scales is None else scales.index_select(0, slots))
+        keys, values = kv.view(B, T, 2 * Hkv, D).transpose(1, 2).chunk(2, dim=1)       # [B, Hkv, T, D] each
     queries = q.unsqueeze(0) if call.query_index is None else q[call.query_index]        # [B, Q, Hq, D]
     B, Q, Hq, D = queries.shape
     Hkv, G = keys.shape[1], Hq // keys.shape[1]
@@ -133,7 +162,8 @@ def batched_attention(q: torch.Tensor, cache: torch.Tensor, call: BatchedCall) -
 BF16_PRODUCTS_MIN_SLOTS = 768
 
 
-def attend_row_by_row(q: torch.Tensor, cache: torch.Tensor, items: list[RowByRow], out: torch.Tensor) -> torch.Tensor:
+def attend_row_by_row(q: torch.Tensor, cache: torch.Tensor, items: list[RowByRow], out: torch.Tensor,
+                      scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D], each listed row as a decode step computes it (K/V already written).
     A row's bits depend only on its query and the K/V it sees, in order: the native kernel reads its slots where
     they lie; torch's kernels read them head-major (in place, or gathered into that layout), so in place and
@@ -141,40 +171,44 @@ def attend_row_by_row(q: torch.Tensor, cache: torch.Tensor, items: list[RowByRow
     Hkv, D = cache.shape[2:]
     G = q.shape[1] // Hkv
     heads = cache.permute(1, 2, 0, 3)                 # [2, Hkv, S, D]: the storage's own order (model_runner.py)
-    native = heads.device.type == "cpu" and heads.dtype == torch.bfloat16 and attend_row_library() is not None
+    head_scales = None if scales is None else scales.permute(1, 2, 0)                  # [2, Hkv, S]
+    native = heads.device.type == "cpu" and heads.dtype in NATIVE_CACHE_DTYPES and attend_row_library() is not None
     for item in items:
         kv = None
         for r, seen in enumerate(item.seen):
             row, query = item.first + r, q[item.first + r].view(Hkv, G, D)
-            result = attend_in_place(query, heads, item, seen) if native else None
+            result = attend_in_place(query, heads, head_scales, item, seen) if native else None
             if result is None:
                 if kv is None:
-                    kv = heads[:, :, item.run_start:item.run_start + item.num_slots] if item.run_start is not None \
-                        else heads.index_select(2, item.slots)                          # [2, Hkv, T, D]
+                    run = slice(item.run_start, item.run_start + item.num_slots) if item.run_start is not None else None
+                    pick = (lambda t: t[:, :, run]) if run is not None else (lambda t: t.index_select(2, item.slots))
+                    kv = dequantize_kv(pick(heads), None if head_scales is None else pick(head_scales))  # [2, Hkv, T, D]
                 keys, values = kv[:, :, :seen] if isinstance(seen, int) else kv.index_select(2, seen)
                 result = attend_one_row(query, keys, values)
             out[row] = result.view(-1, D)
     return out
 
 
-def attend_in_place(query: torch.Tensor, heads: torch.Tensor, item: RowByRow, seen: int | torch.Tensor
-                    ) -> torch.Tensor | None:
+def attend_in_place(query: torch.Tensor, heads: torch.Tensor, head_scales: torch.Tensor | None, item: RowByRow,
+                    seen: int | torch.Tensor) -> torch.Tensor | None:
     """The native kernel over the row's context where it lies in the cache: a run's prefix as a view, any
     other context through its slot numbers (no gather)."""
     if item.run_start is not None and isinstance(seen, int):
-        return attend_row_bf16(query, heads[0, :, item.run_start:item.run_start + seen],
-                               heads[1, :, item.run_start:item.run_start + seen])
+        run = slice(item.run_start, item.run_start + seen)
+        return attend_row_native(query, heads[0, :, run], heads[1, :, run],
+                                 scales=None if head_scales is None else (head_scales[0, :, run], head_scales[1, :, run]))
     if item.run_start is not None:
         slots = item.run_start + seen
     else:
         slots = item.slots[:seen] if isinstance(seen, int) else item.slots[seen]
-    return attend_row_bf16(query, heads[0], heads[1], slots)
+    return attend_row_native(query, heads[0], heads[1], slots,
+                             scales=None if head_scales is None else (head_scales[0], head_scales[1]))
 
 
 def attend_one_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """query [Hkv, G, D] (the G query heads of each K/V head), keys/values [Hkv, T, D] -> [Hkv, G, D]."""
     T, D = keys.shape[1:]
-    if (out := attend_row_bf16(query, keys, values)) is not None:   # one pass in C (layers/kernels/attend_row.c)
+    if (out := attend_row_native(query, keys, values)) is not None:   # one pass in C (layers/kernels/attend_row.c)
         return out
     if keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and T >= BF16_PRODUCTS_MIN_SLOTS:
         # scores as [T, G] per head: oneDNN's bf16 product with the T slots as rows reads K as stored (with T

@@ -111,10 +111,12 @@ class CompiledForward:
 
     def graph(self, aux_layers: tuple[int, ...]):
         if aux_layers not in self.graphs:
-            model, layers, stand_in = self.model, self.layers, OpaqueAttention()
+            # a frozenset: with dynamic=True dynamo makes a closure's tuple of ints symbolic, and `i in` that
+            # tuple then traced as False (torch 2.13): the graph returned no aux states and EAGLE3 failed
+            model, layers, stand_in, aux = self.model, self.layers, OpaqueAttention(), frozenset(aux_layers)
 
             def forward(input_ids, positions):
-                return model.run_layers(input_ids, positions, stand_in, aux_layers, layers)
+                return model.run_layers(input_ids, positions, stand_in, aux, layers)
             self.graphs[aux_layers] = torch.compile(own_code(forward), dynamic=True, fullgraph=True,
                                                     options={**OPTIONS, "guard_filter_fn": input_guards})
         return self.graphs[aux_layers]

@@ -9,7 +9,7 @@ from torch import nn
 
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
 from specserve.layers.attention import BatchedCall, ForwardContext, NativeChains, RowByRow, kv_cache_dtype
-from specserve.layers.kernels import attend_row_library
+from specserve.layers.kernels import NATIVE_CACHE_DTYPES, attend_row_library
 
 # with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
 # the last token and its drafts) is attended token by token, bit-identical to plain decoding (layers/attention.py,
@@ -30,15 +30,16 @@ class ForwardItem:
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                             device: torch.device | str) -> int:
-    element = torch.empty((), dtype=kv_cache_dtype(dtype, device)).element_size()
-    return 2 * num_layers * num_kv_heads * head_dim * element
+                             device: torch.device | str, kind: str = "auto") -> int:
+    """K and V of every layer and head; an int8 cache also keeps an fp32 scale for each."""
+    element = torch.empty((), dtype=kv_cache_dtype(dtype, device, kind)).element_size()
+    return 2 * num_layers * num_kv_heads * (head_dim * element + (4 if kind == "int8" else 0))
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 row_by_row: bool = False):
+                 row_by_row: bool = False, kv_kind: str = "auto"):
         self.model = model
         self.row_by_row = row_by_row            # the target's runner: decode and verify rows exactly as decoded alone
         self.block_size = block_size
@@ -47,11 +48,14 @@ class ModelRunner:
         # attention reads from memory 1.5x faster than rows strided by a whole slot), indexed through the
         # [L, S, 2, Hkv, D] view: a slot's K and V are still written and read as one [2, Hkv, D] element
         storage = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim,
-                              dtype=kv_cache_dtype(dtype, self.device), device=self.device)
+                              dtype=kv_cache_dtype(dtype, self.device, kv_kind), device=self.device)
         self.kv_cache = storage.permute(0, 3, 1, 2, 4)
+        # an int8 cache's scales, one a token, head and K or V: [L, 2, Hkv, S] viewed as [L, S, 2, Hkv]
+        self.kv_scales = None if kv_kind != "int8" else torch.ones(
+            num_layers, 2, num_kv_heads, num_blocks * block_size, device=self.device).permute(0, 3, 1, 2)
         self._arange = np.arange(1 << 16)
         # built (once per machine) now, not inside a timed first step; it takes heads of a multiple of 32
-        self.native_rows = row_by_row and storage.device.type == "cpu" and storage.dtype == torch.bfloat16 \
+        self.native_rows = row_by_row and storage.device.type == "cpu" and storage.dtype in NATIVE_CACHE_DTYPES \
             and attend_row_library() is not None and head_dim % 32 == 0
 
     def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:
@@ -74,6 +78,8 @@ class ModelRunner:
         """Copy the K/V of cache indices src to dst (all layers), e.g. an accepted tree path."""
         s, d = self.slots_at(block_table, src), self.slots_at(block_table, dst)
         self.kv_cache[:, d] = self.kv_cache[:, s]
+        if self.kv_scales is not None:
+            self.kv_scales[:, d] = self.kv_scales[:, s]
 
     def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         ids, positions, slot_mapping, contexts = [], [], [], []
@@ -101,6 +107,7 @@ class ModelRunner:
             positions=positions_t,
             slot_mapping=torch.from_numpy(slots).to(dev),
             kv_cache=self.kv_cache,
+            kv_scales=self.kv_scales,
             calls=calls,
             row_by_row=row_by_row or None,
             write_start=int(slots[0]) if len(slots) == 1 or np.all(np.diff(slots) == 1) else None,

@@ -71,12 +71,12 @@ def attend_row_library() -> ctypes.CDLL | None:
         return None
     lib = load("attend_row")
     if lib is not None:
-        lib.attend_row_bf16.restype = ctypes.c_int
-        lib.attend_row_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 4 + \
+        lib.attend_row.restype = ctypes.c_int
+        lib.attend_row.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_int] * 4 + \
             [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        lib.attend_chains_bf16.restype = ctypes.c_int
-        lib.attend_chains_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
-            [ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_int] * 3 + \
+        lib.attend_chains.restype = ctypes.c_int
+        lib.attend_chains.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + \
+            [ctypes.c_void_p, ctypes.c_long] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 3 + \
             [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
 
@@ -94,32 +94,44 @@ def a8_linear_library() -> ctypes.CDLL | None:
     return lib
 
 
-def attend_row_bf16(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    slots: torch.Tensor | None = None) -> torch.Tensor | None:
-    """query [Hkv, G, D], keys/values [Hkv, T, D] bf16 on CPU, rows contiguous (any head and row strides,
-    the same for K and V) -> [Hkv, G, D] bf16. With `slots` (int64 [T]), keys/values are [Hkv, S, D] (a layer's
-    whole cache) and row t is row slots[t]: the context read where it lies. None where the kernel is off."""
-    if keys.dtype != torch.bfloat16 or keys.device.type != "cpu":       # first: the cheap test fp32 models fail
+NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.int8)
+
+
+def attend_row_native(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | None = None,
+                      scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """query [Hkv, G, D] bf16, keys/values [Hkv, T, D] on CPU, rows contiguous (any head and row strides, the
+    same for K and V) -> [Hkv, G, D] bf16. keys/values are bf16, or int8 with `scales`: fp32 [Hkv, T] for K and
+    for V, slots contiguous. With `slots` (int64 [T]), keys/values (and scales) span a layer's whole cache
+    ([Hkv, S, D], [Hkv, S]) and row t is row slots[t]: the context read where it lies. None where the kernel is
+    off."""
+    if keys.dtype not in NATIVE_CACHE_DTYPES or keys.device.type != "cpu":  # first: the cheap test fp32 models fail
         return None
     lib = attend_row_library()
     Hkv, _, D = keys.shape
-    if lib is None or {query.dtype, values.dtype} != {torch.bfloat16} or keys.stride(2) != 1 \
-            or keys.stride()[1:] != values.stride()[1:] or not query.is_contiguous():
+    if lib is None or query.dtype != torch.bfloat16 or values.dtype != keys.dtype or keys.stride(2) != 1 \
+            or keys.stride()[1:] != values.stride()[1:] or not query.is_contiguous() \
+            or (keys.dtype == torch.int8) != (scales is not None):
+        return None
+    ks, vs = (None, None) if scales is None else scales
+    if ks is not None and (ks.stride(1) != 1 or vs.stride() != ks.stride()):
         return None
     if slots is not None and (slots.dtype != torch.int64 or not slots.is_contiguous()):
         slots = slots.to(torch.int64).contiguous()
     out = torch.empty_like(query)
-    status = lib.attend_row_bf16(query.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                 None if slots is None else slots.data_ptr(), keys.stride(0), values.stride(0),
-                                 keys.stride(1), Hkv, query.shape[1], keys.shape[1] if slots is None else len(slots),
-                                 D, D ** -0.5, out.data_ptr(), torch.get_num_threads())
+    status = lib.attend_row(query.data_ptr(), keys.data_ptr(), values.data_ptr(), None if ks is None else ks.data_ptr(),
+                            None if vs is None else vs.data_ptr(), None if slots is None else slots.data_ptr(), keys.stride(0),
+                            values.stride(0), keys.stride(1), 0 if ks is None else ks.stride(0), Hkv, query.shape[1],
+                            keys.shape[1] if slots is None else len(slots), D, D ** -0.5, out.data_ptr(),
+                            torch.get_num_threads())
     return out if status == 0 else None
 
 
-def attend_chains_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, seqs: int,
-                       num_seqs: int, slots: int, num_threads: int) -> torch.Tensor | None:
-    """Writes k/v [N, Hkv, D] into one layer's cache [S, 2, Hkv, D] (a view of head-major storage), then
-    attends every row q [N, Hq, D] over its prefix, each as attend_row_bf16 attends it alone -> [N, Hq, D].
+def attend_chains_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                         scales: torch.Tensor | None, seqs: int, num_seqs: int, slots: int, num_threads: int
+                         ) -> torch.Tensor | None:
+    """Attends every row q [N, Hq, D] over its prefix in one layer's cache [S, 2, Hkv, D] (a view of head-major
+    storage), each as attend_row_native attends it alone -> [N, Hq, D]. k/v [N, Hkv, D] are written into it first:
+    as they are (bf16), or quantized (int8, with `scales`: [S, 2, Hkv] over head-major storage).
     seqs: the address of an int64 [num_seqs, 5] array: per sequence its first row, rows, cached tokens, first
     slot of its context when that is one run (else -1) and the offset of its context's slot numbers in the
     int64 array at `slots`. Called once a layer, so it checks only what the plan cannot know (the products'
@@ -129,9 +141,13 @@ def attend_chains_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
             or v.stride()[1:] != (D, 1) or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return None
     out = torch.empty(q.shape, dtype=torch.bfloat16)
-    base = cache.data_ptr()
-    status = lib.attend_chains_bf16(
+    base, element = cache.data_ptr(), cache.element_size()
+    ks = vs = None
+    if scales is not None:
+        ks = scales.data_ptr()
+        vs = ks + scales.stride(1) * 4
+    status = lib.attend_chains(
         seqs, num_seqs, slots, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), base,
-        base + 2 * cache.stride(1), cache.stride(2), k.shape[1], q.shape[1] // k.shape[1], D, D ** -0.5,
-        out.data_ptr(), num_threads)
+        base + element * cache.stride(1), ks, vs, cache.stride(2), 0 if scales is None else scales.stride(2),
+        k.shape[1], q.shape[1] // k.shape[1], D, D ** -0.5, out.data_ptr(), num_threads)
     return out if status == 0 else None

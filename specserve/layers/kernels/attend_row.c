@@ -1,6 +1,6 @@
-/* One query row's attention over a bf16 K/V cache on an AVX-512 CPU, in one pass over the slots.
+/* One query row's attention over a bf16 (or int8) K/V cache on an AVX-512 CPU, in one pass over the slots.
 
-   attend_row_bf16: q [Hkv, G, D] bf16 (the G query heads sharing each K/V head), K/V [Hkv, T, D] bf16 with
+   attend_row: q [Hkv, G, D] bf16 (the G query heads sharing each K/V head), K/V [Hkv, T, D] bf16 with
    contiguous rows (any head and row strides: the head-major cache read in place) -> out [Hkv, G, D] bf16.
    With `slots`, row t of K/V is row slots[t] of the whole cache: a paged context read in place, no gather.
 
@@ -13,7 +13,12 @@
    get the same output, which greedy exactness relies on.
 
    Products in fp32 from bf16 inputs (vdpbf16ps where the CPU has AVX512-BF16, else the same pairs widened),
-   softmax and accumulation in fp32, the output rounded to bf16 (nearest even). */
+   softmax and accumulation in fp32, the output rounded to bf16 (nearest even).
+
+   An int8 cache (`--kv-cache-dtype int8`): each slot's K and V of a head are D int8 values and one fp32 scale
+   (layers/attention.py, quantize_kv). A chunk's 16 key rows are widened to bf16 (exact: |values| <= 127) and
+   take the same products, each score then times its key's scale; each probability is multiplied by its value's
+   scale before the V product. Half the bytes of a bf16 context are read. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -69,18 +74,45 @@ static inline __m512 load_bf16x16(const uint16_t *p) {        /* 16 bf16 -> 16 f
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 16 int8 -> 16 fp32 */
+static inline __m512 load_i8x16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* a row of D int8 values -> D bf16 (integers of at most 127 are exact in bf16) */
+static inline void widen_i8_row(const int8_t *src, uint16_t *dst, int D) {
+    for (int d = 0; d < D; d += 16) {
+        __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(load_i8x16(src + d)), 16);
+        _mm256_storeu_si256((__m256i *)(dst + d), _mm512_cvtepi32_epi16(bits));
+    }
+}
+
 /* One chunk of one K/V head: scores of its n slots for the G queries, their max m[g], sum l[g] of e^(s - m)
    and acc[g][D] = sum of e^(s - m) V. s: scratch of G * CHUNK floats. Inlined with G and D constants (below),
    so that the accumulators of the V product stay in registers. */
 static inline __attribute__((always_inline)) void attend_chunk(
-        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots, long row_stride, int n,
-        const int G, const int D, float scale, float *s, float *m, float *l, float *acc) {
+        const uint16_t *q, const void *k, const void *v, const float *ks, const float *vs, const int64_t *slots,
+        long row_stride, int n, const int G, const int D, float scale, float *s, float *m, float *l, float *acc) {
 #define ROW(t) ((slots ? slots[t] : (long)(t)) * row_stride)
+#define SLOT(t) (slots ? slots[t] : (long)(t))
+    const uint16_t *k16 = k, *v16 = v;
+    const int8_t *k8 = k, *v8 = v;
+    uint16_t widened[ks ? 16 * D : 1];                       /* int8 cache: a block of 16 key rows in bf16 */
     for (int t0 = 0; t0 < n; t0 += 16) {                       /* 16 slots' rows stay in L1 for the G queries */
         __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
         const uint16_t *krow[16];
-        for (int j = 0; j < 16; j++)                           /* past the end: row n - 1 again, masked below */
-            krow[j] = k + ROW(t0 + j < n ? t0 + j : n - 1);
+        float kscale[16];
+        for (int j = 0; j < 16; j++) {                         /* past the end: row n - 1 again, masked below */
+            int t = t0 + j < n ? t0 + j : n - 1;
+            if (ks) {
+                widen_i8_row(k8 + ROW(t), widened + j * D, D);
+                krow[j] = widened + j * D;
+                kscale[j] = ks[SLOT(t)] * scale;
+            } else {
+                krow[j] = k16 + ROW(t);
+            }
+        }
+        const __m512 factor = ks ? _mm512_loadu_ps(kscale) : _mm512_set1_ps(scale);
         for (int g = 0; g < G; g++) {
             __m512 a[16];
             for (int j = 0; j < 16; j++) {
@@ -88,7 +120,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 for (int d = 0; d < D; d += 32)
                     a[j] = dot_pairs(a[j], _mm512_loadu_si512(krow[j] + d), _mm512_loadu_si512(q + (long)g * D + d));
             }
-            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, _mm512_mul_ps(sum_lanes16(a), factor));
         }
     }
     for (int g = 0; g < G; g++) {
@@ -108,13 +140,21 @@ static inline __attribute__((always_inline)) void attend_chunk(
         m[g] = mg;
         l[g] = _mm512_reduce_add_ps(sum);
     }
+    if (vs) {                                                  /* each probability times its value's scale */
+        float vscale[CHUNK];
+        for (int t = 0; t < n; t++)
+            vscale[t] = vs[SLOT(t)];
+        for (int g = 0; g < G; g++)
+            for (int t = 0; t < n; t++)
+                s[g * CHUNK + t] *= vscale[t];
+    }
     if (G * D <= 16 * 16) {          /* every accumulator in a register: G * D / 16 independent FMA chains */
         __m512 r[16], vd[16];
         for (int i = 0; i < G * D / 16; i++)
             r[i] = _mm512_setzero_ps();
         for (int t = 0; t < n; t++) {
             for (int b = 0; b < D / 16; b++)
-                vd[b] = load_bf16x16(v + ROW(t) + 16 * b);
+                vd[b] = vs ? load_i8x16(v8 + ROW(t) + 16 * b) : load_bf16x16(v16 + ROW(t) + 16 * b);
             for (int g = 0; g < G; g++) {
                 __m512 p = _mm512_set1_ps(s[g * CHUNK + t]);
                 for (int b = 0; b < D / 16; b++)
@@ -130,7 +170,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
         for (int g = 0; g < G; g++)
             r[g] = _mm512_setzero_ps();
         for (int t = 0; t < n; t++) {
-            __m512 vd = load_bf16x16(v + ROW(t) + d);
+            __m512 vd = vs ? load_i8x16(v8 + ROW(t) + d) : load_bf16x16(v16 + ROW(t) + d);
             for (int g = 0; g < G; g++)
                 r[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * CHUNK + t]), vd, r[g]);
         }
@@ -138,13 +178,14 @@ static inline __attribute__((always_inline)) void attend_chunk(
             _mm512_storeu_ps(acc + g * D + d, r[g]);
     }
 #undef ROW
+#undef SLOT
 }
 
-static void attend_chunk_any(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
-                             long row_stride, int n, int G, int D, float scale, float *s, float *m, float *l,
-                             float *acc) {
+static void attend_chunk_any(const uint16_t *q, const void *k, const void *v, const float *ks, const float *vs,
+                             const int64_t *slots, long row_stride, int n, int G, int D, float scale, float *s,
+                             float *m, float *l, float *acc) {
     /* the head sizes and grouped-query widths of common models, as constants: loops unrolled, registers kept */
-#define WIDTH(g, d) case g: attend_chunk(q, k, v, slots, row_stride, n, g, d, scale, s, m, l, acc); return;
+#define WIDTH(g, d) case g: attend_chunk(q, k, v, ks, vs, slots, row_stride, n, g, d, scale, s, m, l, acc); return;
 #define WIDTHS(d) switch (G) { WIDTH(1, d) WIDTH(2, d) WIDTH(3, d) WIDTH(4, d) WIDTH(5, d) WIDTH(6, d) \
                                 WIDTH(7, d) WIDTH(8, d) }
     if (D == 64)
@@ -153,7 +194,7 @@ static void attend_chunk_any(const uint16_t *q, const uint16_t *k, const uint16_
         WIDTHS(128)
 #undef WIDTHS
 #undef WIDTH
-    attend_chunk(q, k, v, slots, row_stride, n, G, D, scale, s, m, l, acc);
+    attend_chunk(q, k, v, ks, vs, slots, row_stride, n, G, D, scale, s, m, l, acc);
 }
 
 static inline uint16_t to_bf16(float x) {                     /* round to nearest even (no NaNs here) */
@@ -162,9 +203,12 @@ static inline uint16_t to_bf16(float x) {                     /* round to neares
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* One row's attention: its query [Hkv, G, D], K/V bases, slots (or NULL), T context entries, output */
+/* One row's attention: its query [Hkv, G, D], K/V bases, their scales' bases (int8 cache; else NULL), slots (or
+   NULL), T context entries, output */
 typedef struct {
-    const uint16_t *q, *k, *v;
+    const uint16_t *q;
+    const char *k, *v;
+    const float *ks, *vs;
     const int64_t *slots;
     int T;
     uint16_t *out;
@@ -172,9 +216,10 @@ typedef struct {
 
 /* Every (row, K/V head, chunk) of a set of rows as one parallel loop, then every (row, head) combined: one fork
    for a whole step's rows, its items balanced over the threads. Each row's chunks and their combination are
-   those of the row alone, whatever rows are beside it. Returns 0, or -1 where memory runs out. */
+   those of the row alone, whatever rows are beside it. Strides in elements of the cache (1 byte for int8, else
+   2); scale_head_stride in floats. Returns 0, or -1 where memory runs out. */
 static int attend_rows(const Row *rows, int n_rows, long k_head_stride, long v_head_stride, long row_stride,
-                       int Hkv, int G, int D, float scale, int num_threads) {
+                       long scale_head_stride, int Hkv, int G, int D, float scale, int num_threads) {
     int *first = malloc(sizeof(int) * (n_rows + 1));
     if (!first)
         return -1;
@@ -197,10 +242,14 @@ static int attend_rows(const Row *rows, int n_rows, long k_head_stride, long v_h
             while (first[r + 1] <= item)
                 r++;
             const Row *row = rows + r;
+            const long es = row->ks ? 1 : 2;                         /* bytes a cache element */
             int chunks = (row->T + CHUNK - 1) / CHUNK, local = item - first[r];
             int h = local / chunks, c = local % chunks, t0 = c * CHUNK, n = row->T - t0 < CHUNK ? row->T - t0 : CHUNK;
-            long at = row->slots ? 0 : (long)t0 * row_stride;          /* slots: row t is slots[t], read in place */
-            attend_chunk_any(row->q + (long)h * G * D, row->k + h * k_head_stride + at, row->v + h * v_head_stride + at,
+            long at = row->slots ? 0 : (long)t0;                      /* slots: row t is slots[t], read in place */
+            attend_chunk_any(row->q + (long)h * G * D, row->k + es * (h * k_head_stride + at * row_stride),
+                             row->v + es * (h * v_head_stride + at * row_stride),
+                             row->ks ? row->ks + h * scale_head_stride + at : NULL,
+                             row->vs ? row->vs + h * scale_head_stride + at : NULL,
                              row->slots ? row->slots + t0 : NULL, row_stride, n, G, D, scale, s, m + item * G,
                              l + item * G, acc + (long)item * G * D);
         }
@@ -229,29 +278,54 @@ static int attend_rows(const Row *rows, int n_rows, long k_head_stride, long v_h
     return 0;
 }
 
-/* Returns 0, or -1 for a shape it does not handle (D not a multiple of 32, G above 16): the caller falls back. */
-int attend_row_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
-                    long k_head_stride, long v_head_stride, long row_stride, int Hkv, int G, int T, int D,
-                    float scale, uint16_t *out, int num_threads) {
+/* One row. k/v: bf16, or int8 with their scales ks/vs ([Hkv] heads of scale_head_stride floats, one a slot;
+   NULL for bf16). Returns 0, or -1 for a shape it does not handle (D not a multiple of 32, G above 16): the
+   caller falls back. */
+int attend_row(const uint16_t *q, const void *k, const void *v, const float *ks, const float *vs,
+               const int64_t *slots, long k_head_stride, long v_head_stride, long row_stride, long scale_head_stride,
+               int Hkv, int G, int T, int D, float scale, uint16_t *out, int num_threads) {
     if (D % 32 != 0 || G > 16 || T <= 0)
         return -1;
-    Row row = {q, k, v, slots, T, out};
-    return attend_rows(&row, 1, k_head_stride, v_head_stride, row_stride, Hkv, G, D, scale, num_threads);
+    Row row = {q, k, v, ks, vs, slots, T, out};
+    return attend_rows(&row, 1, k_head_stride, v_head_stride, row_stride, scale_head_stride, Hkv, G, D, scale,
+                       num_threads);
+}
+
+/* A row of D bf16 values -> D int8 and the returned scale: scale = max |x| / 127 (1 for a row of zeros), each value
+   round(x / scale), ties to even: the same fp32 operations as layers/attention.py's quantize_kv, so the same bits */
+static float quantize_row(const uint16_t *x, int8_t *out, int D) {
+    float amax = 0.0f;
+    for (int d = 0; d < D; d++) {
+        uint32_t u = (uint32_t)x[d] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        amax = fabsf(f) > amax ? fabsf(f) : amax;
+    }
+    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int d = 0; d < D; d++) {
+        uint32_t u = (uint32_t)x[d] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        out[d] = (int8_t)nearbyintf(f / scale);
+    }
+    return scale;
 }
 
 /* A forward's decode and verify rows for one layer, in one call (the Python around a row cost more than its
    attention at short contexts: ~100 us a layer against a few us of work). Writes the new tokens' K/V into the
-   cache, then attends every row over its prefix in one parallel loop (attend_rows), each row's bits those of
-   the row attended alone.
+   cache first (an int8 cache: quantized, with their scales), then attends every row over its prefix in one
+   parallel loop (attend_rows), each row's bits those of the row attended alone.
 
    seqs [n_seqs, 5] int64: each sequence's first flat row, number of new rows, cached tokens before them, the
    first cache slot of its context when that context is one run of slots (else -1), and the offset in `slots`
    of its context's slot numbers (used when it is not one run). Row r of a sequence is token start + r: it sees
    context entries [0, start + r]. q/k/v: rows of q_row / k_row / v_row elements, heads of D elements each;
-   kc/vc: the layer's K and V caches [Hkv, S, D] (head stride head_stride, rows of D). out [N, Hkv * G, D]. */
-int attend_chains_bf16(const int64_t *seqs, int n_seqs, const int64_t *slots, const uint16_t *q, long q_row,
-                       const uint16_t *k, long k_row, const uint16_t *v, long v_row, uint16_t *kc, uint16_t *vc,
-                       long head_stride, int Hkv, int G, int D, float scale, uint16_t *out, int num_threads) {
+   kc/vc: the layer's K and V caches [Hkv, S, D] (head stride head_stride, rows of D); ks/vs: their scales
+   [Hkv, S] (head stride scale_head_stride) for an int8 cache, else NULL. out [N, Hkv * G, D]. */
+int attend_chains(const int64_t *seqs, int n_seqs, const int64_t *slots, const uint16_t *q, long q_row,
+                  const uint16_t *k, long k_row, const uint16_t *v, long v_row, void *kc, void *vc,
+                  float *ks, float *vs, long head_stride, long scale_head_stride, int Hkv, int G, int D,
+                  float scale, uint16_t *out, int num_threads) {
     if (D % 32 != 0 || G > 16)                                 /* before any write: the caller falls back whole */
         return -1;
     for (int i = 0; i < n_seqs; i++) {
@@ -259,8 +333,14 @@ int attend_chains_bf16(const int64_t *seqs, int n_seqs, const int64_t *slots, co
         for (long r = 0; r < s[1]; r++) {
             long row = s[0] + r, slot = s[3] >= 0 ? s[3] + s[2] + r : slots[s[4] + s[2] + r];
             for (int h = 0; h < Hkv; h++) {
-                memcpy(kc + h * head_stride + slot * D, k + row * k_row + (long)h * D, sizeof(uint16_t) * D);
-                memcpy(vc + h * head_stride + slot * D, v + row * v_row + (long)h * D, sizeof(uint16_t) * D);
+                const uint16_t *kn = k + row * k_row + (long)h * D, *vn = v + row * v_row + (long)h * D;
+                if (ks) {
+                    ks[h * scale_head_stride + slot] = quantize_row(kn, (int8_t *)kc + h * head_stride + slot * D, D);
+                    vs[h * scale_head_stride + slot] = quantize_row(vn, (int8_t *)vc + h * head_stride + slot * D, D);
+                } else {
+                    memcpy((uint16_t *)kc + h * head_stride + slot * D, kn, sizeof(uint16_t) * D);
+                    memcpy((uint16_t *)vc + h * head_stride + slot * D, vn, sizeof(uint16_t) * D);
+                }
             }
         }
     }
@@ -270,15 +350,18 @@ int attend_chains_bf16(const int64_t *seqs, int n_seqs, const int64_t *slots, co
     Row *rows = malloc(sizeof(Row) * (n_rows > 0 ? n_rows : 1));
     if (!rows)
         return -1;
+    const long es = ks ? 1 : 2;
     for (int i = 0, at = 0; i < n_seqs; i++) {
         const int64_t *s = seqs + 5 * i;
         for (long r = 0; r < s[1]; r++) {
-            long row = s[0] + r, first = s[3] >= 0 ? s[3] * D : 0;
-            rows[at++] = (Row){q + row * q_row, kc + first, vc + first, s[3] >= 0 ? NULL : slots + s[4],
+            long row = s[0] + r, first = s[3] >= 0 ? s[3] : 0;
+            rows[at++] = (Row){q + row * q_row, (const char *)kc + es * first * D, (const char *)vc + es * first * D,
+                               ks ? ks + first : NULL, vs ? vs + first : NULL, s[3] >= 0 ? NULL : slots + s[4],
                                (int)(s[2] + r + 1), out + row * (long)Hkv * G * D};
         }
     }
-    int status = attend_rows(rows, n_rows, head_stride, head_stride, D, Hkv, G, D, scale, num_threads);
+    int status = attend_rows(rows, n_rows, head_stride, head_stride, D, scale_head_stride, Hkv, G, D, scale,
+                             num_threads);
     free(rows);
     return status;
 }
