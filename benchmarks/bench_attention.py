@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.attention import attend_one_row
+from specserve.layers.attention import attend_one_row, quantize_kv
 from specserve.layers.kernels import attend_row_native
 
 LAYERS, HKV, G, D = 30, 3, 3, 64
@@ -47,7 +47,16 @@ CANDIDATES = {                                        # name: (kernel, cache dty
     "bf16 cache, bf16 products": (bf16_products, torch.bfloat16),
     "bf16 cache, native kernel (attend_row.c)": (attend_row_native, torch.bfloat16),
     "bf16 cache, attend_one_row (now)": (attend_one_row, torch.bfloat16),
+    "int8 cache, native kernel": (attend_row_native, torch.int8),       # --kv-cache-dtype int8
 }
+
+
+def make_cache(T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A 30-layer head-major cache of random K/V, and its scales for an int8 one (quantize_kv)."""
+    kv = torch.randn(LAYERS, 2, HKV, T, D)
+    if dtype != torch.int8:
+        return kv.to(dtype), None
+    return quantize_kv(kv.bfloat16())
 
 
 def main() -> None:
@@ -62,14 +71,17 @@ def main() -> None:
     print("|---|" + "---|" * len(CANDIDATES))
     query = torch.randn(HKV, G, D).bfloat16()
     for T in (int(n) for n in args.lengths.split(",")):
-        caches = {name: torch.randn(LAYERS, 2, HKV, T, D).to(dtype) for name, (_, dtype) in CANDIDATES.items()}
+        caches = {name: make_cache(T, dtype) for name, (_, dtype) in CANDIDATES.items()}
         best = dict.fromkeys(CANDIDATES, float("inf"))
         for _ in range(args.repeats):
             for name, (kernel, _) in CANDIDATES.items():
-                cache = caches[name]
+                cache, scales = caches[name]
                 start = time.perf_counter()
                 for layer in range(LAYERS):
-                    kernel(query, cache[layer, 0], cache[layer, 1])
+                    if scales is None:
+                        kernel(query, cache[layer, 0], cache[layer, 1])
+                    else:
+                        kernel(query, cache[layer, 0], cache[layer, 1], scales=(scales[layer, 0], scales[layer, 1]))
                 best[name] = min(best[name], (time.perf_counter() - start) / LAYERS)
         print(f"| {T} | " + " | ".join(f"{best[name] * 1e6:.0f}" for name in CANDIDATES) + " |", flush=True)
 

@@ -87,6 +87,28 @@ static inline void widen_i8_row(const int8_t *src, uint16_t *dst, int D) {
     }
 }
 
+/* The chunk's softmax pieces per query g: its scores' max m[g], the scores turned into e^(s - m[g]) in place, and
+   their sum l[g] */
+static inline __attribute__((always_inline)) void softmax_chunk(float *s, int n, const int G, float *m, float *l) {
+    for (int g = 0; g < G; g++) {
+        __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+            top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + g * CHUNK + t0));
+        }
+        float mg = _mm512_reduce_max_ps(top);
+        top = _mm512_set1_ps(mg);
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+            __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + g * CHUNK + t0), top)));
+            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        m[g] = mg;
+        l[g] = _mm512_reduce_add_ps(sum);
+    }
+}
+
 /* One chunk of one K/V head: scores of its n slots for the G queries, their max m[g], sum l[g] of e^(s - m)
    and acc[g][D] = sum of e^(s - m) V. s: scratch of G * CHUNK floats. Inlined with G and D constants (below),
    so that the accumulators of the V product stay in registers. */
@@ -123,23 +145,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, _mm512_mul_ps(sum_lanes16(a), factor));
         }
     }
-    for (int g = 0; g < G; g++) {
-        __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int t0 = 0; t0 < n; t0 += 16) {
-            __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
-            top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + g * CHUNK + t0));
-        }
-        float mg = _mm512_reduce_max_ps(top);
-        top = _mm512_set1_ps(mg);
-        for (int t0 = 0; t0 < n; t0 += 16) {
-            __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
-            __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + g * CHUNK + t0), top)));
-            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, p);
-            sum = _mm512_add_ps(sum, p);
-        }
-        m[g] = mg;
-        l[g] = _mm512_reduce_add_ps(sum);
-    }
+    softmax_chunk(s, n, G, m, l);
     if (vs) {                                                  /* each probability times its value's scale */
         float vscale[CHUNK];
         for (int t = 0; t < n; t++)
@@ -181,11 +187,131 @@ static inline __attribute__((always_inline)) void attend_chunk(
 #undef SLOT
 }
 
+#ifdef __AVX512VNNI__
+/* sum_lanes16 over int32 lanes (the same shuffles, integer adds): exact */
+static inline __m512i sum_lanes16_epi32(const __m512i a[16]) {
+    __m512i b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    __m512i f01 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x44), _mm512_shuffle_i32x4(c[0], c[1], 0xEE));
+    __m512i f23 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x44), _mm512_shuffle_i32x4(c[2], c[3], 0xEE));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(f01, f23, 0x88), _mm512_shuffle_i32x4(f01, f23, 0xDD));
+}
+
+/* x [n] -> int16 [n] and the returned scale: max |x| / 32767 (1 for zeros), each round(x / scale) */
+static inline float quantize16(const float *x, int16_t *out, int n) {
+    __m512 top = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 live = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, x + i)));
+    }
+    float amax = _mm512_reduce_max_ps(top), scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const __m512 by = _mm512_set1_ps(scale);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 live = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(live, x + i), by),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_mask_storeu_epi16(out + i, live, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(r)));
+    }
+    return scale;
+}
+
+/* attend_chunk over an int8 cache with integer dot products (AVX512-VNNI's vpdpwssd, 16-bit x 16-bit pairs into
+   32-bit sums): each query is quantized to 16 bits per (row, head, query) and each key row widened to 16 bits,
+   so a score is one exact integer sum times three scales; for the V product each probability times its value's
+   scale is quantized to 16 bits per chunk and query (its error ~1/65,000 of the chunk's largest), and pairs of
+   value rows, interleaved, take vpdpwssd against pairs of those weights. A chunk of 256 slots cannot overflow
+   (256 x 32767 x 127 < 2^31). */
+static inline __attribute__((always_inline)) void attend_chunk_vnni(
+        const uint16_t *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs, const int64_t *slots,
+        long row_stride, int n, const int G, const int D, float scale, float *s, float *m, float *l, float *acc) {
+#define ROW(t) ((slots ? slots[t] : (long)(t)) * row_stride)
+#define SLOT(t) (slots ? slots[t] : (long)(t))
+    int16_t q16[G * D], keys[16 * D], w16[G * CHUNK];
+    float qscale[G], row[D > 16 ? D : 16];
+    for (int g = 0; g < G; g++) {
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(row + d, load_bf16x16(q + (long)g * D + d));
+        qscale[g] = quantize16(row, q16 + g * D, D) * scale;
+    }
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        __mmask16 live = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+        float kscale[16];
+        for (int j = 0; j < 16; j++) {                         /* past the end: row n - 1 again, masked below */
+            int t = t0 + j < n ? t0 + j : n - 1;
+            for (int d = 0; d < D; d += 32)
+                _mm512_storeu_si512(keys + j * D + d, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(k + ROW(t) + d))));
+            kscale[j] = ks[SLOT(t)];
+        }
+        const __m512 factor = _mm512_loadu_ps(kscale);
+        for (int g = 0; g < G; g++) {
+            __m512i a[16];
+            for (int j = 0; j < 16; j++) {
+                a[j] = _mm512_setzero_si512();
+                for (int d = 0; d < D; d += 32)
+                    a[j] = _mm512_dpwssd_epi32(a[j], _mm512_loadu_si512(keys + j * D + d), _mm512_loadu_si512(q16 + g * D + d));
+            }
+            __m512 sums = _mm512_cvtepi32_ps(sum_lanes16_epi32(a));
+            _mm512_mask_storeu_ps(s + g * CHUNK + t0, live, _mm512_mul_ps(_mm512_mul_ps(sums, factor), _mm512_set1_ps(qscale[g])));
+        }
+    }
+    softmax_chunk(s, n, G, m, l);
+    float vscale[CHUNK], wscale[G];
+    for (int t = 0; t < n; t++)
+        vscale[t] = vs[SLOT(t)];
+    for (int g = 0; g < G; g++) {                               /* the weights of query g */
+        for (int t = 0; t < n; t++)
+            s[g * CHUNK + t] *= vscale[t];
+        wscale[g] = quantize16(s + g * CHUNK, w16 + g * CHUNK, n);
+        if (n < CHUNK)
+            w16[g * CHUNK + n] = 0;                             /* the pair of an odd last slot */
+    }
+    for (int d0 = 0; d0 < D; d0 += 32) {                        /* 32 of the D outputs of every query per pass */
+        __m512i r[2 * G];
+        for (int i = 0; i < 2 * G; i++)
+            r[i] = _mm512_setzero_si512();
+        for (int t = 0; t < n; t += 2) {                        /* slots t and t + 1 (an odd last one: weight 0) */
+            const int8_t *r0 = v + ROW(t), *r1 = v + ROW(t + 1 < n ? t + 1 : t);
+            __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r0 + d0)));
+            __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(r1 + d0)));
+            __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+            for (int g = 0; g < G; g++) {
+                int32_t both;                                   /* weights t and t + 1, adjacent */
+                memcpy(&both, w16 + g * CHUNK + t, 4);
+                __m512i pair = _mm512_set1_epi32(both);
+                r[2 * g] = _mm512_dpwssd_epi32(r[2 * g], lo, pair);
+                r[2 * g + 1] = _mm512_dpwssd_epi32(r[2 * g + 1], hi, pair);
+            }
+        }
+        for (int g = 0; g < G; g++) {                          /* lane 4L + i of lo is output 8L + i, of hi 8L + 4 + i */
+            int32_t lo[16], hi[16];
+            _mm512_storeu_si512(lo, r[2 * g]);
+            _mm512_storeu_si512(hi, r[2 * g + 1]);
+            for (int L = 0; L < 4; L++)
+                for (int i = 0; i < 4; i++) {
+                    acc[g * D + d0 + 8 * L + i] = (float)lo[4 * L + i] * wscale[g];
+                    acc[g * D + d0 + 8 * L + 4 + i] = (float)hi[4 * L + i] * wscale[g];
+                }
+        }
+    }
+#undef ROW
+#undef SLOT
+}
+#endif
+
 static void attend_chunk_any(const uint16_t *q, const void *k, const void *v, const float *ks, const float *vs,
                              const int64_t *slots, long row_stride, int n, int G, int D, float scale, float *s,
                              float *m, float *l, float *acc) {
     /* the head sizes and grouped-query widths of common models, as constants: loops unrolled, registers kept */
-#define WIDTH(g, d) case g: attend_chunk(q, k, v, ks, vs, slots, row_stride, n, g, d, scale, s, m, l, acc); return;
+#ifdef __AVX512VNNI__
+#define CHUNK_OF(g, d) if (ks) attend_chunk_vnni(q, k, v, ks, vs, slots, row_stride, n, g, d, scale, s, m, l, acc); \
+                       else attend_chunk(q, k, v, ks, vs, slots, row_stride, n, g, d, scale, s, m, l, acc);
+#else
+#define CHUNK_OF(g, d) attend_chunk(q, k, v, ks, vs, slots, row_stride, n, g, d, scale, s, m, l, acc);
+#endif
+#define WIDTH(g, d) case g: CHUNK_OF(g, d) return;
 #define WIDTHS(d) switch (G) { WIDTH(1, d) WIDTH(2, d) WIDTH(3, d) WIDTH(4, d) WIDTH(5, d) WIDTH(6, d) \
                                 WIDTH(7, d) WIDTH(8, d) }
     if (D == 64)
@@ -194,7 +320,8 @@ static void attend_chunk_any(const uint16_t *q, const void *k, const void *v, co
         WIDTHS(128)
 #undef WIDTHS
 #undef WIDTH
-    attend_chunk(q, k, v, ks, vs, slots, row_stride, n, G, D, scale, s, m, l, acc);
+    CHUNK_OF(G, D)
+#undef CHUNK_OF
 }
 
 static inline uint16_t to_bf16(float x) {                     /* round to nearest even (no NaNs here) */
