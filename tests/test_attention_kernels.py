@@ -250,3 +250,36 @@ def test_int8_chains_in_one_native_call_write_and_attend_as_the_torch_path():
         assert torch.equal(paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], again, 0), out)
     finally:
         torch.set_num_threads(threads)
+
+
+@native
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_row_kernel_with_and_without_vnni(vnni, monkeypatch):
+    """The int8 cache's two native paths (integer dot products with AVX512-VNNI; keys widened to bf16 without
+    it, built here with -mno-avx512vnni): close to float64 attention over the dequantized K/V, every 16-slot and
+    256-slot tail, read in place or through slots, the same bits at 1 and 2 threads."""
+    from specserve.layers import kernels
+    if vnni and "avx512_vnni" not in kernels.cpu_flags().split():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    lib = kernels.attend_row_library() if vnni else kernels.attend_row_library("-mno-avx512vnni")
+    monkeypatch.setattr(kernels, "attend_row_library", lambda: lib)
+    gen = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    for t in (1, 17, 257, 1000):
+        values, scales = quantize_kv(torch.randn(2, HKV, t + 9, D, generator=gen).bfloat16())
+        keys, vals, ks, vs = values[0, :, 4:4 + t], values[1, :, 4:4 + t], scales[0, :, 4:4 + t], scales[1, :, 4:4 + t]
+        query = (3 * torch.randn(HKV, G, D, generator=gen)).bfloat16()
+        out = attend_row_native(query, keys, vals, scales=(ks, vs))
+        k, v = dequantize_kv(keys, ks).double(), dequantize_kv(vals, vs).double()
+        ref = (query.double() @ k.transpose(1, 2) / D ** 0.5).softmax(-1) @ v
+        assert (out.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(attend_row_native(query, keys.contiguous(), vals.contiguous(),
+                                                 scales=(ks.contiguous(), vs.contiguous())), out)
+        finally:
+            torch.set_num_threads(threads)
+        slots = torch.randperm(2 * t + 5, generator=gen)[:t]
+        paged, paged_scales = torch.zeros(2, HKV, 2 * t + 5, D, dtype=torch.int8), torch.ones(2, HKV, 2 * t + 5)
+        paged[:, :, slots], paged_scales[:, :, slots] = values[:, :, 4:4 + t], scales[:, :, 4:4 + t]
+        assert torch.equal(attend_row_native(query, paged[0], paged[1], slots, (paged_scales[0], paged_scales[1])), out)

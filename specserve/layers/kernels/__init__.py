@@ -36,14 +36,15 @@ def cpu_flags() -> str:
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `name`.c, building it first if this machine has not; None where it cannot be built."""
+def load(name: str, *extra_flags: str) -> ctypes.CDLL | None:
+    """The compiled `name`.c, building it first if this machine has not; None where it cannot be built.
+    extra_flags: more compiler flags (a test builds the kernel as a CPU without some extension would)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.info("no C compiler: the native %s kernel is off", name)
         return None
     source = SOURCES / f"{name}.c"
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *extra_flags]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source.read_text(), version, cpu_flags(), *flags]).encode()).hexdigest()[:16]
     built = cache_dir() / "kernels" / f"{name}-{key}.so"
@@ -66,10 +67,10 @@ def load(name: str) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def attend_row_library() -> ctypes.CDLL | None:
+def attend_row_library(*extra_flags: str) -> ctypes.CDLL | None:
     if not enabled() or "avx512f" not in cpu_flags().split():
         return None
-    lib = load("attend_row")
+    lib = load("attend_row", *extra_flags)
     if lib is not None:
         lib.attend_row.restype = ctypes.c_int
         lib.attend_row.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 4 + [ctypes.c_int] * 4 + \
