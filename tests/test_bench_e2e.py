@@ -15,7 +15,7 @@ from specserve.server import cli as server_cli  # noqa: F401  (a server that fai
 
 # Short sonnet prompts and greedy, EOS-ignoring outputs keep each run to seconds on a CPU.
 PROMPTS = ["--dataset-name", "sonnet", "--sonnet-input-len", "300", "--sonnet-prefix-len", "100",
-           "--output-len", "32", "--temperature", "0", "--ignore-eos", "--disable-tqdm"]
+           "--output-len", "16", "--temperature", "0", "--ignore-eos", "--disable-tqdm"]
 
 
 def parse(argv: list[str]):
