@@ -30,7 +30,7 @@ DEMO = demo_model_dir()
 ENGINE = dict(speculative_method="eagle3", draft_model=DEMO / "eagle3", kv_cache_memory_gb=0.05, max_model_len=512, dtype="float32",
               max_num_seqs=32)
 NUM_CLIENTS = 64
-ROUNDS = 3
+ROUNDS = 2                      # the RSS check compares the last round with the first
 PROMPTS = ["def fibonacci(n):", "To be, or not to be, that is the question:", "The quick brown fox",
            "import os\nimport sys\n", "class Stack:\n    def __init__(self):", "The capital of France is",
            "for i in range(10):", "Once upon a time"]
