@@ -38,8 +38,13 @@ def test_the_arithmetic_by_hand():
 
 
 @pytest.fixture(scope="module")
-def plain():
-    llm = LLM(str(DEMO), speculative_method="none")
+def plain_llm():
+    return LLM(str(DEMO), speculative_method="none")
+
+
+@pytest.fixture(scope="module")
+def plain(plain_llm):
+    llm = plain_llm
     return {mode: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(
         max_tokens=32, num_assistant_tokens=4, **settings, **PENALTIES))]
         for mode, settings in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=0.9, seed=3)))}
@@ -61,9 +66,8 @@ def test_greedy_with_penalties_equals_plain(method, options, plain):
         assert [o.outputs[0].token_ids for o in sampled] == plain["sampled"]
 
 
-def test_penalties_change_the_output(plain):
-    llm = LLM(str(DEMO), speculative_method="none")
-    free = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))]
+def test_penalties_change_the_output(plain, plain_llm):
+    free = [o.outputs[0].token_ids for o in plain_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))]
     assert free != plain["greedy"]
 
 
