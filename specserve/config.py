@@ -41,6 +41,12 @@ def default_model_dir() -> Path:
     return converted_dir(default_model_file())
 
 
+def data_file(name: str) -> Path:
+    """A text file shipped in the package (specserve/data, provenance in its README.md): sonnet.txt for the
+    sonnet benchmark, train_prompts.jsonl and tinyshakespeare.txt for drafter training prompts."""
+    return Path(__file__).parent / "data" / name
+
+
 def demo_model_dir() -> Path:
     """The tiny demo models shipped inside the package (a Qwen3-format target and its drafters): test fixtures."""
     return Path(__file__).parent / "demo_model"

@@ -7,6 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
+from specserve.config import data_file
+
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
 
 
@@ -34,7 +36,7 @@ def as_user_turn(tokenizer: TokenizerLike, text: str) -> str:
 def default_sonnet_path() -> Path:
     """The sonnet text `vllm bench serve --dataset-name sonnet` reads (Shakespeare's sonnets, public domain),
     shipped with the package so that a fresh install can benchmark without a download."""
-    return Path(__file__).resolve().parent / "data" / "sonnet.txt"
+    return data_file("sonnet.txt")
 
 
 def sample_sonnet(lines: list[str], tokenizer: TokenizerLike, num_requests: int, input_len: int = 550,

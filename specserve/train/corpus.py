@@ -10,6 +10,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.config import data_file
+
 # stdlib folders that are test suites, tool GUIs, codec tables or data, not code worth learning
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data"}
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
@@ -31,13 +33,8 @@ class Corpus:
 
 
 def default_sources() -> list[Path]:
-    """The running interpreter's standard library plus tinyshakespeare (../shared/data from the repository)."""
-    sources = [Path(sysconfig.get_paths()["stdlib"])]
-    repo_root = Path(__file__).resolve().parents[2]
-    shakespeare = repo_root.parent / "shared" / "data" / "tinyshakespeare.txt"
-    if shakespeare.exists():
-        sources.append(shakespeare)
-    return sources
+    """The running interpreter's standard library plus tinyshakespeare (shipped in the package)."""
+    return [Path(sysconfig.get_paths()["stdlib"]), data_file("tinyshakespeare.txt")]
 
 
 def read_source(source: Path) -> list[Document]:

@@ -10,7 +10,9 @@ import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+from specserve.config import data_file
+
+PROMPT_DATA = data_file("train_prompts.jsonl").parent        # the package's data folder
 MAX_SOURCE_LINES = 24
 
 
@@ -142,7 +144,7 @@ def math_prompts(data: Path, rng: random.Random, heldout_fraction: float) -> tup
     return split_items(prompts, heldout_fraction, rng)
 
 
-def build_prompts(counts: PromptCounts, seed: int = 0, data: Path = SHARED_DATA,
+def build_prompts(counts: PromptCounts, seed: int = 0, data: Path = PROMPT_DATA,
                   heldout_fraction: float = 0.1) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts interleaved across kinds, held-out prompts). Held-out code prompts come from whole
     held-out modules."""
