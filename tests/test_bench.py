@@ -327,7 +327,7 @@ def parse(argv: list[str]):
     (["bench", "serve", "--dataset-name", "jsonl"], "--dataset-path is required"),
     (["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend openai-chat"),
     (["bench", "sweep", "--methods", "ngram,magic"], "argument --methods: unknown method(s) magic"),
-    (["bench", "sweep", "--methods", "ngram"], "--model must be a local model directory"),
+    (["bench", "sweep", "--methods", "ngram", "--model", "no/such/dir"], "--model must be a local model directory"),
     (["bench", "sweep", "--num-assistant-tokens", "1,x"], "argument --num-assistant-tokens"),
     (["tune", "--tolerance", "2"], "argument --tolerance"),
 ])
@@ -336,6 +336,25 @@ def test_bad_flags_name_the_flag(argv, message, capsys):
         args = parse(argv)
         args.func(args)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sweep_and_tune_launch_the_default_model_without_model(monkeypatch, capsys, tmp_path):
+    """As `specserve serve` with no model: the launched servers run the default model; if it is not installed,
+    the error says how to install it."""
+    import specserve.bench.cli as bench_cli
+    monkeypatch.setattr(bench_cli, "default_model_dir", lambda: tmp_path)
+    seen = []
+    run = bench_cli.checked(build_parser(), seen.append, needs_model_dir=lambda args: True)
+    for argv in (["bench", "sweep", "--methods", "ngram"], ["tune"]):
+        assert run(parse(argv)) == 0 and seen[-1].model == str(tmp_path)
+
+    def not_installed():
+        raise FileNotFoundError("the default model, SmolLM2, is not installed: run `pip install ...`")
+    monkeypatch.setattr(bench_cli, "default_model_dir", not_installed)
+    args = parse(["bench", "sweep", "--methods", "ngram"])
+    with pytest.raises(SystemExit) as exit_info:
+        args.func(args)
+    assert exit_info.value.code == 2 and "--model: none given, and the default model" in capsys.readouterr().err
 
 
 def fake_server_app():

@@ -13,7 +13,7 @@ from specserve.bench.metrics import LATENCY_HEADERS
 from specserve.bench.serve import run_serve
 from specserve.bench.sweep import run_sweep
 from specserve.bench.tune import run_tune
-from specserve.config import MAX_NUM_ASSISTANT_TOKENS, SPEC_METHODS
+from specserve.config import MAX_NUM_ASSISTANT_TOKENS, SPEC_METHODS, default_model_dir
 
 
 def positive_int(text: str) -> int:
@@ -178,6 +178,11 @@ def checked(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace],
     exit status (the results are `run`'s return value, for callers in Python)."""
     def run_checked(args: argparse.Namespace) -> int:
         check_args(args, parser.error)
+        if needs_model_dir(args) and args.model is None:         # as `specserve serve` with no model
+            try:
+                args.model = str(default_model_dir())
+            except (FileNotFoundError, ValueError) as e:
+                parser.error(f"--model: none given, and {e}")
         if needs_model_dir(args) and not (args.model and Path(args.model).is_dir()):
             parser.error(f"--model must be a local model directory here, got {args.model}")
         try:
@@ -210,8 +215,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--prompts-per-concurrency", type=positive_int, metavar="N",
                        help="at concurrency c, run max(--num-prompts, N * c) prompts")
     sweep.add_argument("--methods", type=method_list,
-                       help=f"launch `specserve serve --model DIR` once per method ({','.join(SPEC_METHODS)}); "
-                            "without it, sweep the server at --base-url")
+                       help=f"launch `specserve serve --model DIR` once per method ({','.join(SPEC_METHODS)}; DIR "
+                            "defaults to the default model); without it, sweep the server at --base-url")
     sweep.set_defaults(func=checked(sweep, run_sweep, needs_model_dir=lambda args: bool(args.methods)))
 
     tune = subparsers.add_parser("tune", help="measure the best num_assistant_tokens and write it to "
