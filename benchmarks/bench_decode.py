@@ -2,7 +2,8 @@
 
     python benchmarks/bench_decode.py [--sizes small,large] [--dtypes float32,bfloat16] [--repeats 3]
     python benchmarks/bench_decode.py --model-dir /tmp/smollm2-hf --sizes '' [--quantizations none,int8,int4]
-        [--compile] [--kv-cache-dtypes auto,int8]
+        [--compile] [--kv-cache-dtypes auto,int8] [--openvino-python VENV/bin/python --openvino-models OV1,OV2]
+        [--llama-server BUILD/bin/llama-server --llama-models FILE1.gguf,FILE2.gguf]
 
 Random Qwen3 checkpoints (--sizes): batch 1, greedy, 128 new tokens after one code prompt. A real model
 (--model-dir, e.g. the default SmolLM2-135M-Instruct converted to a bf16 HF folder): 12 chat prompts (code and
@@ -10,13 +11,19 @@ prose, its chat template applied), 128 new tokens each, greedy, EOS ignored, bat
 specserve in bf16 and with each --quantizations; then, in the same run, the machine's read bandwidth (the
 ceiling it sets on tokens/s), the cost of a 6-token verify step against a 1-token step, and decode speed at a
 4,000-token context against a 200-token one. Both engines run on the same threads (--threads, default all).
-Runs are interleaved so that a change in the machine's load hits every engine alike.
+Runs are interleaved so that a change in the machine's load hits every engine alike. With --openvino-python,
+OpenVINO GenAI runs the same templated prompts too, one row per exported folder in --openvino-models, each in
+its own worker process (openvino_worker.py) that waits between rounds. With --llama-server, llama.cpp's server
+runs them too, one row per GGUF file in --llama-models (the same token ids, sent to /completion; each request
+timed whole, as for the other engines).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +69,61 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], new_tokens: i
         return len(prompts) * new_tokens / (time.perf_counter() - start)
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)          # warm-up
+    return run
+
+
+def openvino_runner(python: str, ov_dir: str, prompts: list[str], new_tokens: int):
+    """A function that asks a waiting OpenVINO GenAI worker for one round of the prompts and returns its tok/s."""
+    worker = subprocess.Popen([python, str(Path(__file__).with_name("openvino_worker.py")), ov_dir,
+                               str(torch.get_num_threads()), str(new_tokens)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    worker.stdin.write(json.dumps(prompts) + "\n")
+    worker.stdin.flush()
+    if worker.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the OpenVINO worker for {ov_dir} did not start (exit {worker.wait()})")
+
+    def run() -> float:
+        worker.stdin.write("round\n")
+        worker.stdin.flush()
+        return float(worker.stdout.readline())
+    return run
+
+
+def llama_server_runner(server: str, gguf: str, prompts: list[list[int]], new_tokens: int):
+    """A function that sends each prompt's token ids to a llama-server on this model, one at a time, and returns
+    the generated tokens per second of wall time (prompt processing included)."""
+    import atexit
+    import socket
+
+    import httpx
+    with socket.socket() as s:                       # a free port for this server alone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "-m", gguf, "--threads", str(torch.get_num_threads()), "--ctx-size", "4096",
+                             "--parallel", "1", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    atexit.register(proc.terminate)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server on {gguf} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise RuntimeError(f"llama-server on {gguf} did not become healthy")
+    body = dict(n_predict=new_tokens, ignore_eos=True, temperature=0, top_k=1, cache_prompt=False)
+
+    def run() -> float:
+        start, tokens = time.perf_counter(), 0
+        for ids in prompts:
+            reply = httpx.post(f"{url}/completion", json=dict(body, prompt=ids), timeout=600).json()
+            tokens += reply["tokens_predicted"]
+        return tokens / (time.perf_counter() - start)
+    httpx.post(f"{url}/completion", json=dict(body, prompt=prompts[0], n_predict=8), timeout=600)   # warm-up
     return run
 
 
@@ -168,10 +230,15 @@ def real_model(args) -> None:
     from specserve.tokenizer import Tokenizer
     model_dir = Path(args.model_dir)
     tok = Tokenizer.from_pretrained(model_dir)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-               for p in CHAT_PROMPTS[:args.prompts]]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:args.prompts]]
+    prompts = [tok.encode(text, add_special_tokens=False) for text in texts]
     bandwidth = read_bandwidth()
     runs = {"transformers bf16": transformers_runner(model_dir, prompts, args.new_tokens, torch.bfloat16)}
+    for gguf in filter(None, args.llama_models.split(",")):
+        runs[f"llama.cpp {Path(gguf).name}"] = llama_server_runner(args.llama_server, gguf, prompts, args.new_tokens)
+    for ov_dir in filter(None, args.openvino_models.split(",")):
+        runs[f"OpenVINO GenAI {Path(ov_dir).name}"] = openvino_runner(args.openvino_python, ov_dir, texts,
+                                                                       args.new_tokens)
     llms = {}
     for q in args.quantizations.split(","):
         for compiled in (False, True) if args.compile else (False,):
@@ -276,7 +343,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also print where specserve's decode time goes")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for both engines")
+    ap.add_argument("--openvino-python", help="a Python with openvino_genai installed")
+    ap.add_argument("--openvino-models", default="", help="OpenVINO IR folders of --model-dir "
+                    "(optimum-cli export openvino), each an extra row; needs --openvino-python")
+    ap.add_argument("--llama-server", help="a llama.cpp llama-server binary")
+    ap.add_argument("--llama-models", default="", help="GGUF files of the same model, each an extra row; needs "
+                    "--llama-server")
     args = ap.parse_args()
+    if args.openvino_models and not args.openvino_python:
+        ap.error("--openvino-models needs --openvino-python")
+    if args.llama_models and not args.llama_server:
+        ap.error("--llama-models needs --llama-server")
     torch.set_num_threads(args.threads)
     random_models(args)
     if args.model_dir:
