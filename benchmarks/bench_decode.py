@@ -93,28 +93,17 @@ def llama_server_runner(server: str, gguf: str, prompts: list[list[int]], new_to
     """A function that sends each prompt's token ids to a llama-server on this model, one at a time, and returns
     the generated tokens per second of wall time (prompt processing included)."""
     import atexit
-    import socket
-
     import httpx
-    with socket.socket() as s:                       # a free port for this server alone
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "-m", gguf, "--threads", str(torch.get_num_threads()), "--ctx-size", "4096",
-                             "--parallel", "1", "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    from specserve.bench.launch import free_port, wait_until_healthy
+    port, log = free_port(), Path(tempfile.mkdtemp()) / "llama-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([server, "-m", gguf, "--threads", str(torch.get_num_threads()), "--ctx-size",
+                                 "4096", "--parallel", "1", "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
     atexit.register(proc.terminate)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server on {gguf} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        raise RuntimeError(f"llama-server on {gguf} did not become healthy")
+    wait_until_healthy(url, proc, 120, log)
     body = dict(n_predict=new_tokens, ignore_eos=True, temperature=0, top_k=1, cache_prompt=False)
 
     def run() -> float:
