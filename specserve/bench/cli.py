@@ -178,13 +178,14 @@ def checked(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace],
     exit status (the results are `run`'s return value, for callers in Python)."""
     def run_checked(args: argparse.Namespace) -> int:
         check_args(args, parser.error)
-        if needs_model_dir(args) and args.model is None:         # as `specserve serve` with no model
-            try:
-                args.model = str(default_model_dir())
-            except (FileNotFoundError, ValueError) as e:
-                parser.error(f"--model: none given, and {e}")
-        if needs_model_dir(args) and not (args.model and Path(args.model).is_dir()):
-            parser.error(f"--model must be a local model directory here, got {args.model}")
+        if needs_model_dir(args):
+            if args.model is None:                               # as `specserve serve` with no model
+                try:
+                    args.model = str(default_model_dir())
+                except (FileNotFoundError, ValueError) as e:
+                    parser.error(f"--model: none given, and {e}")
+            if not Path(args.model).is_dir():
+                parser.error(f"--model must be a local model directory here, got {args.model}")
         try:
             run(args)
         except ConnectionError as e:
