@@ -16,6 +16,32 @@ TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacc
         "The quick brown fox jumps over the lazy dog. ") * 20
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): two workers on two cores, at most four on larger machines. Most tests
+    are bound by Python's per-step overhead on tiny models, so two processes on two cores finish the suite
+    in about 60% of one process's time (benchmarks/NOTES.md, session 15)."""
+    cpus = os.cpu_count() or 1
+    return min(2, cpus) if cpus <= 4 else min(4, cpus // 2)
+
+
+def pytest_configure(config) -> None:
+    """Each worker's torch threads: its share of the cores, never fewer than two (the default on two cores, so
+    the bits-per-thread tests below still compare two threads with one)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(2, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture
+def two_threads():
+    """Torch at two threads for the test (an engine for a tiny model sets one, process-wide), restored after:
+    tests that compare a kernel's bits at one thread with its bits at two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def specserve_cache(tmp_path_factory) -> Path:
     """specserve's cache (GGUF conversions, file digests) in a folder of this session: the default model is

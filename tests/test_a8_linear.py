@@ -68,7 +68,7 @@ def test_products_follow_the_documented_arithmetic(bits, shape, dtype):
 
 @native
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_row_is_the_same_whatever_rows_and_threads_are_beside_it(bits):
+def test_a_row_is_the_same_whatever_rows_and_threads_are_beside_it(bits, two_threads):
     torch.manual_seed(1)
     lin = A8Linear(torch.randn(3064, 576).bfloat16() * 0.05, None, bits)       # the last tile padded
     x = torch.randn(19, 576).bfloat16()

@@ -123,7 +123,7 @@ native = pytest.mark.skipif(attend_row_library() is None, reason="the native one
 
 @native
 @pytest.mark.parametrize("hkv, g, d", [(3, 3, 64), (2, 4, 128), (1, 1, 32), (4, 8, 64), (2, 9, 64)])
-def test_native_row_kernel_matches_float64_and_its_bits_do_not_depend_on_threads(hkv, g, d):
+def test_native_row_kernel_matches_float64_and_its_bits_do_not_depend_on_threads(hkv, g, d, two_threads):
     """Every tail of its 16-slot blocks and 256-slot chunks, on strided views of a larger cache (as read in
     place); the same bits at 1 and 2 threads, on a contiguous copy and read through scattered slot numbers."""
     gen = torch.Generator().manual_seed(hkv * 100 + g)
@@ -224,7 +224,7 @@ def test_int8_cache_rows_are_close_to_float64_over_the_dequantized_cache(n_ctx):
 
 
 @native
-def test_int8_chains_in_one_native_call_write_and_attend_as_the_torch_path():
+def test_int8_chains_in_one_native_call_write_and_attend_as_the_torch_path(two_threads):
     """The native call quantizes the new K/V itself: the cache and scales it writes equal quantize_kv's, and its
     rows the per-row path's (a run of blocks, a paged context, a fresh one)."""
     q, kv = inputs(700, torch.bfloat16, 12)
@@ -254,7 +254,7 @@ def test_int8_chains_in_one_native_call_write_and_attend_as_the_torch_path():
 
 @native
 @pytest.mark.parametrize("vnni", [True, False])
-def test_int8_row_kernel_with_and_without_vnni(vnni, monkeypatch):
+def test_int8_row_kernel_with_and_without_vnni(vnni, monkeypatch, two_threads):
     """The int8 cache's two native paths (integer dot products with AVX512-VNNI; keys widened to bf16 without
     it, built here with -mno-avx512vnni): close to float64 attention over the dequantized K/V, every 16-slot and
     256-slot tail, read in place or through slots, the same bits at 1 and 2 threads."""
