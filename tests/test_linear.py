@@ -11,6 +11,7 @@ from torch import nn
 from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.layers import linear
 from specserve.layers.linear import InferenceLinear, inference_linears, make_kernel, pack_linears
+from specserve.layers.native_bf16 import AMX, AVX512, native_bf16_kernels
 from specserve.layers.quantization import HEAD_QUANTIZATION, dequantize_int8, quantize_int8
 from specserve.llm import LLM
 from specserve.models.llama import rms_norm, rms_norm_fused
@@ -66,10 +67,15 @@ def test_every_candidate_kernel_is_the_same_product(rows, bf16_cpu):
         for name in linear.candidates(CPU, torch.float32, None):
             assert torch.allclose(make_kernel(name, w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         w16, x16 = w.bfloat16(), x.bfloat16()
-        names = linear.candidates(CPU, torch.bfloat16, None)
+        names = linear.candidates(CPU, torch.bfloat16, None, (96, 40))
         assert ("packed" in names) == linear.bf16_packing_supported()
-        for name in names:                                                           # bf16: bit for bit
-            assert torch.equal(make_kernel(name, w16, None)(x16), F.linear(x16, w16))
+        exact = x16.double() @ w16.double().T
+        for name in names:          # bf16: torch's bit for bit; the native kernels sum in their own order
+            out = make_kernel(name, w16, None)(x16)
+            if linear.sum_order(name) == "torch":
+                assert torch.equal(out, F.linear(x16, w16))
+            else:
+                assert (out.double() - exact).abs().max() <= 2 * (F.linear(x16, w16).double() - exact).abs().max()
 
 
 def test_kernels_are_chosen_per_bucket_from_the_timings_and_cached(kernel_cache, monkeypatch):
@@ -109,6 +115,49 @@ def test_a_kernel_that_is_not_the_same_product_is_never_chosen(monkeypatch):
     force(monkeypatch, "packed")
     [m] = inference_linears([(torch.randn(64, 32).bfloat16(), None)], CPU, torch.bfloat16)
     assert m.choice == ["linear"] * 4
+
+
+def test_families_are_never_mixed_and_the_cheapest_family_wins(monkeypatch):
+    """Native bf16 kernels are families of their own: a weight's buckets take one family, the one whose row
+    costs least over the buckets, even where another family's kernel is faster in one bucket."""
+    names = linear.candidates(CPU, torch.bfloat16, None, (64, 32))
+    if AMX not in names and AVX512 not in names:
+        pytest.skip("no native bf16 kernel on this CPU")
+    native = AMX if AMX in names else AVX512
+
+    def timing(native_one_row: float, torch_rows: float):
+        def fake(kernels, x):       # the native kernel: fastest at one row; torch's: at every other count
+            return {n: (native_one_row if x.shape[0] == 1 else 1.0) if n == native else
+                       (torch_rows if x.shape[0] > 1 else 1.0) if linear.sum_order(n) == "torch" else 9.0
+                    for n in kernels}
+        return fake
+    w = torch.randn(64, 32).bfloat16()
+    monkeypatch.setattr(linear, "time_kernels", timing(native_one_row=0.1, torch_rows=0.9))
+    [m] = inference_linears([(w, None)], CPU, torch.bfloat16)
+    assert m.choice == [native] * 4          # 0.1 + 1/6 + 1/24 + 1/64 against 1 + 0.9/6 + ...
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", "")
+    monkeypatch.setattr(linear, "time_kernels", timing(native_one_row=0.95, torch_rows=0.5))
+    [m] = inference_linears([(w, None)], CPU, torch.bfloat16)
+    assert len({linear.sum_order(n) for n in m.choice}) == 1 and native not in m.choice
+
+
+@pytest.mark.parametrize("shape", [(200, 96), (50, 30), (3072, 64)])
+def test_native_bf16_rows_are_the_same_whatever_rows_and_threads_are_beside_them(shape, two_threads):
+    torch.manual_seed(2)
+    kinds = native_bf16_kernels(shape)
+    if not kinds:
+        pytest.skip("no native bf16 kernel on this CPU")
+    w, b = torch.randn(shape).bfloat16(), torch.randn(shape[0])
+    x = torch.randn(41, shape[1]).bfloat16()
+    exact = x.double() @ w.double().T + b.double()
+    for name in kinds:
+        k = make_kernel(name, w, b)
+        together = k(x)
+        assert (together.double() - exact).abs().max() <= 2 * (F.linear(x, w, b.bfloat16()).double() - exact).abs().max() + 0.02
+        torch.set_num_threads(1)
+        assert torch.equal(torch.cat([k(row) for row in x.split(1)]), together)
+        torch.set_num_threads(2)
+        assert torch.equal(k(x[:6]), together[:6]) and torch.equal(k(x.view(1, 41, -1)).view(41, -1), together)
 
 
 def test_int4_weights_are_close_and_row_invariant():

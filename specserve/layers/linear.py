@@ -4,30 +4,32 @@ Which kernel wins depends on the CPU, the shape, the number of weights of that s
 and the rows of the step (benchmarks/NOTES.md, "SmolLM2"): oneDNN over a weight packed once into its blocked
 layout streams a large weight fastest but costs ~10 us a call before reading a byte; MKL's plain F.linear wins
 on small cache-resident weights with few rows; oneDNN packs bf16 weights only on CPUs with native bf16
-conversions. So nothing here is a threshold: at load, `choose_kernels` times every candidate on the model's own
-weights of each shape (all of them in turn, so that cache effects are those of a real step) at one row count
-per bucket (1, 2-8, 9-32, more) and keeps the fastest per bucket. The choice is cached per machine in a JSON
-file (`kernel_cache_path`) keyed by CPU model, torch version, threads, dtype and shape.
+conversions; on some CPUs oneDNN's bf16 product for a few rows runs far below the memory's bandwidth, where
+the native bf16 kernel (AMX tiles or AVX512-BF16 dot products, layers/native_bf16.py) does not. So nothing here
+is a threshold: at load, `choose_kernels` times every candidate on the model's own weights of each shape (all of
+them in turn, so that cache effects are those of a real step) at one row count per bucket (1, 2-8, 9-32, more)
+and keeps, of the families of kernels that give the same bits, the one whose row costs least over the buckets.
+The choice is cached per machine in a JSON file (layers/kernel_cache.py) keyed by CPU model, torch version,
+threads, dtype and shape.
 
-Candidates only ever compute the same product: in bf16 they must give the same bits as F.linear on a probe (so
-a verify step's rows are the rows plain decoding would produce), in fp32 the same sums to rounding; an int8
-or int4 weight has a single kernel (the native one where the CPU runs it). Packing is a module swap done by the engine after loading; training never sees it.
+A weight's buckets only ever compute the same bits, so that a verify step's rows are the rows plain decoding
+would produce: in bf16, torch's kernels must agree with F.linear on a probe and a native kernel stands alone;
+in fp32 the same sums to rounding; an int8 or int4 weight has a single kernel (the native one where the CPU runs
+it). Packing is a module swap done by the engine after loading; training never sees it.
 """
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers.kernel_cache import kernel_cache_path, load_cache, machine_key, save_cache
+from specserve.layers.native_bf16 import AMX, AVX512, BF16Linear, native_bf16_kernels
 from specserve.layers.quantization import (HEAD_QUANTIZATION, INT4_GROUP, A8Linear, can_quantize_int4, int4_linear,
                                            int8_linear, native_kernel, quantize_int4, quantize_int8)
 
@@ -65,7 +67,8 @@ def candidates(device: torch.device, dtype: torch.dtype, quantization: str | Non
         return ["int4"]
     if quantization in ("int8", "int4"):
         return ["int8"]
-    return ["linear", "packed"] if can_pack(device, dtype) else ["linear"]
+    torch_kernels = ["linear", "packed"] if can_pack(device, dtype) else ["linear"]
+    return torch_kernels + (native_bf16_kernels(shape) if device.type == "cpu" and dtype == torch.bfloat16 else [])
 
 
 def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Kernel:
@@ -92,6 +95,8 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> K
         return functools.partial(int4_linear, packed=packed, scales_and_zeros=scales_and_zeros, bias=bias)
     if name in ("w8a8", "w4a8"):
         return A8Linear(weight, bias, bits=8 if name == "w8a8" else 4)
+    if name in native_bf16_kernels(tuple(weight.shape)):
+        return BF16Linear(weight, bias, amx=name == AMX)
     raise ValueError(f"unknown kernel {name!r}")
 
 
@@ -113,30 +118,6 @@ class InferenceLinear(nn.Module):
 
 
 # ---- choosing kernels ---------------------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def kernel_cache_path() -> Path | None:
-    """$SPECSERVE_KERNEL_CACHE (empty: no cache), else the user cache dir's specserve/kernels.json."""
-    env = os.environ.get("SPECSERVE_KERNEL_CACHE")
-    if env is not None:
-        return Path(env) if env else None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specserve" / "kernels.json"
-
-
-def machine_key() -> str:
-    return (f"{cpu_name()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
-            f"{torch.get_num_threads()} threads")
-
-
 def time_kernels(kernels: dict[str, list[Kernel]], x: torch.Tensor, repeats: int = 5) -> dict[str, float]:
     """Seconds per product of each kernel, each run over every weight of the group in turn (min of repeats,
     the kernels interleaved so that a change in the machine's load hits all of them)."""
@@ -178,8 +159,10 @@ def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None
 
     Exactness comes first: a verify step's rows must be the rows plain decoding computes, so only kernels
     whose every row is the same whatever the rows beside it are candidates (checked on a probe of the group's
-    first weight), and they must give the same bits as each other, so that mixing them across buckets is
-    exact too. Only then does speed choose."""
+    first weight), and the buckets take kernels of one family, which give the same bits as each other (oneDNN's
+    and MKL's products; the native bf16 kernels, whose sums run in another order, each form their own). Then
+    speed chooses: per family the fastest kernel of each bucket, and the family whose row costs least summed
+    over the buckets."""
     cached = cache.get(key)
     if cached and "two_rows" in cached and set(cached["choice"]) <= set(names):     # chosen before: build only those
         return cached["choice"], {n: [one_row_as_two(k) if cached["two_rows"][n] else k
@@ -199,40 +182,47 @@ def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None
         logger.warning("no row-invariant kernel for a %s weight %s on this CPU: verify rows may differ from decode "
                        "rows in the last bits", dtype, tuple(weights[0].shape))
         kernels, two_rows = {names[0]: [make_kernel(names[0], w, b) for w, b in zip(weights, biases)]}, {names[0]: False}
-    ref_name = next(iter(kernels))
-    ref = kernels[ref_name][0](probe)
-    for n in list(kernels)[1:]:
-        if not torch.equal(ref, kernels[n][0](probe)):
-            logger.info("kernel %s: not the same bits as %s on this CPU; not used", n, ref_name)
-            del kernels[n]
-    choice, timings = [], []
-    for rows in BUCKET_ROWS:
-        seconds = time_kernels(kernels, torch.randn(rows, weights[0].shape[1]).to(dtype))
-        choice.append(min(seconds, key=seconds.get))
-        timings.append({n: round(s * 1e6, 1) for n, s in seconds.items()})
-    cache[key] = {"choice": choice, "us": timings, "two_rows": {n: two_rows[n] for n in kernels}}
+    reference = make_kernel(names[0], weights[0], biases[0])(probe)
+    families = product_families(kernels, probe, reference, weights[0], biases[0])
+    in_use = {n: kernels[n] for family in families for n in family}
+    timings = [time_kernels(in_use, torch.randn(rows, weights[0].shape[1]).to(dtype)) for rows in BUCKET_ROWS]
+
+    def plan(family: list[str]) -> list[str]:
+        return [min(family, key=seconds.get) for seconds in timings]
+
+    def cost(family: list[str]) -> float:           # a row in each bucket: decode, verify, a tree, a prompt chunk
+        return sum(seconds[n] / rows for seconds, n, rows in zip(timings, plan(family), BUCKET_ROWS))
+    choice = plan(min(families, key=cost))
+    timings = [{n: round(s * 1e6, 1) for n, s in seconds.items()} for seconds in timings]
+    cache[key] = {"choice": choice, "us": timings, "two_rows": {n: two_rows[n] for n in in_use}}
     return choice, kernels
 
 
-def load_cache(path: Path | None) -> dict:
-    if path is None or not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+def sum_order(name: str) -> str:
+    """The native bf16 kernels each sum in an order of their own; torch's kernels are told apart by the probe."""
+    return name if name in (AMX, AVX512) else "torch"
 
 
-def save_cache(path: Path | None, cache: dict) -> None:
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as e:
-        logger.warning("could not write the kernel cache %s: %s", path, e)
+def product_families(kernels: dict[str, list[Kernel]], probe: torch.Tensor, reference: torch.Tensor,
+                     weight: torch.Tensor, bias: torch.Tensor | None) -> list[list[str]]:
+    """The kernels that compute the weight's product (within twice the reference kernel's error against float64
+    on the probe), grouped by the bits they give: kernels of one family may share a weight's buckets, kernels of
+    two may not (a decode row and a verify row would round differently). Kernels that sum in different orders
+    are never one family, even where the probe's bits happen to agree."""
+    exact = probe.double() @ weight.double().T + (0 if bias is None else bias.double())
+    outputs = {n: group[0](probe) for n, group in kernels.items()}
+    bound = 2 * (reference.double() - exact).abs().max() + 1e-6 * exact.abs().max()
+    families: list[list[str]] = []
+    for n, out in outputs.items():
+        if (out.double() - exact).abs().max() > bound:
+            logger.info("kernel %s: not the product of the weight on this CPU; not used", n)
+            continue
+        if same := next((f for f in families if sum_order(f[0]) == sum_order(n) and torch.equal(outputs[f[0]], out)),
+                        None):
+            same.append(n)
+        else:
+            families.append([n])
+    return families
 
 
 def inference_linears(layers: list[tuple[torch.Tensor, torch.Tensor | None]], device: torch.device,

@@ -2,8 +2,9 @@
 (`cc -O3 -march=native -fopenmp`), cached by source, compiler and CPU, and called through ctypes (which
 releases the GIL). They link the OpenMP runtime torch has loaded, so they share its threads.
 
-Where no compiler is found, the CPU lacks what a kernel needs (AVX-512 for attend_row.c, AVX512-VNNI for a8_linear.c) or
-SPECSERVE_NATIVE_KERNELS=0, the loader returns None and callers keep their torch path."""
+Where no compiler is found, the CPU lacks what a kernel needs (AVX-512 for attend_row.c, AVX512-VNNI for a8_linear.c,
+AVX512-BF16 for bf16_linear.c) or SPECSERVE_NATIVE_KERNELS=0, the loader returns None and callers keep their torch
+path."""
 from __future__ import annotations
 
 import ctypes
@@ -93,6 +94,21 @@ def a8_linear_library() -> ctypes.CDLL | None:
         lib.a8_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + \
             [ctypes.c_int] * 4
     return lib
+
+
+@functools.cache
+def bf16_linear_library() -> tuple[ctypes.CDLL | None, bool]:
+    """kernels/bf16_linear.c on CPUs with AVX512-BF16, and whether its AMX path may run (the CPU has AMX-BF16
+    and Linux granted the process its tile data)."""
+    if not enabled() or not {"avx512f", "avx512bw", "avx512_bf16"} <= set(cpu_flags().split()):
+        return None, False
+    lib = load("bf16_linear")
+    if lib is None:
+        return None, False
+    lib.bf16_linear.restype = ctypes.c_int
+    lib.bf16_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    amx = {"amx_tile", "amx_bf16"} <= set(cpu_flags().split()) and lib.bf16_amx_init() == 0
+    return lib, amx
 
 
 NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.int8)

@@ -1,0 +1,148 @@
+/* y = x W^T + b for bf16 weights and activations by AVX512-BF16 dot products (vdpbf16ps: 16 lanes, each adding the
+   two products of a pair of inputs to an fp32 sum), the weight streamed once for up to ROWS rows.
+
+   Why: on some CPUs oneDNN's packed bf16 product runs far below the memory's bandwidth for the few rows of a
+   decode or verify step (an Intel Xeon under KVM: 3.5 GB/s, ~1 ms for 576 -> 3072 at one row or at six;
+   benchmarks/NOTES.md, session 15). The linear chooser (layers/linear.py) times this kernel beside oneDNN's and
+   keeps whichever family of kernels is faster for the shape.
+
+   Each output's sum is formed in the same order whatever the rows beside it or the threads (threads split the
+   outputs, never the inputs), so a verify row is the row plain decoding computes: two fp32 accumulators per row
+   and tile, the even and the odd pairs of inputs, added at the end; then the bias (fp32), then bf16 (round to
+   nearest even).
+
+   Packed layout, in tiles of 16 outputs (output n = 16 t + l; the last tile padded with zero rows): tile t, input
+   pair p (inputs 2 p, 2 p + 1) is 64 bytes, lane l holding W[n, 2 p] in its low half and W[n, 2 p + 1] in its high
+   one, as vdpbf16ps reads them. K even. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ROWS 8                  /* rows whose accumulators stay in registers while a tile's weights stream by */
+#define PREFETCH 1024           /* bytes ahead in the weights */
+
+static inline uint16_t to_bf16(float x) {                     /* round to nearest even (no NaNs here) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline __m512bh pair(const uint16_t *x) {              /* inputs 2 p, 2 p + 1 of a row, in all 16 lanes */
+    int32_t v;
+    memcpy(&v, x, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* Tile t (16 outputs) for rows [m0, m0 + rows) -> acc_out [rows][16] */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *packed, float *acc_out,
+                                                        int m0, const int rows, int t, int K) {
+    const int P = K / 2;
+    const uint16_t *w = packed + (long)t * 16 * K;
+    __m512 even[ROWS], odd[ROWS];
+    for (int r = 0; r < rows; r++)
+        even[r] = odd[r] = _mm512_setzero_ps();
+    int p = 0;
+    for (; p + 1 < P; p += 2) {
+        _mm_prefetch((const char *)(w + 32 * p) + PREFETCH, _MM_HINT_T0);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * p), w1 = (__m512bh)_mm512_loadu_si512(w + 32 * p + 32);
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *xr = x + (long)(m0 + r) * K + 2 * p;
+            even[r] = _mm512_dpbf16_ps(even[r], w0, pair(xr));
+            odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(xr + 2));
+        }
+    }
+    if (p < P) {                                               /* an odd number of pairs: the last one is even */
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * p);
+        for (int r = 0; r < rows; r++)
+            even[r] = _mm512_dpbf16_ps(even[r], w0, pair(x + (long)(m0 + r) * K + 2 * p));
+    }
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(acc_out + 16 * r, _mm512_add_ps(even[r], odd[r]));
+}
+
+static void tile_any(const uint16_t *x, const uint16_t *packed, float *acc_out, int m0, int rows, int t, int K) {
+#define CASE(r) case r: tile(x, packed, acc_out, m0, r, t, K); return;
+    switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX: the same layout is the B operand of TDPBF16PS, 16 pairs (32 inputs) a tile load. Each output of a row is
+   one tile product's element per 32 inputs, accumulated in order in the C tile: the same operations whatever the
+   rows in the tile. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+int bf16_amx_init(void) {                   /* the process's permission to use AMX tile data (Linux) */
+    return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+}
+
+static void amx_configure(int rows) {       /* tmm0: C [rows x 16 fp32], tmm1: A [rows x 32 bf16], tmm2: B */
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = (uint8_t)rows;
+    c.colsb[0] = c.colsb[1] = 64;
+    c.rows[2] = 16;
+    c.colsb[2] = 64;
+    _tile_loadconfig(&c);
+}
+
+static void amx_tile(const uint16_t *x, const uint16_t *packed, float *acc_out, int m0, int t, int K) {
+    const uint16_t *w = packed + (long)t * 16 * K;
+    _tile_zero(0);
+    for (int k = 0; k < K; k += 32) {
+        _tile_loadd(1, x + (long)m0 * K + k, 2 * K);
+        _tile_loadd(2, w + 16 * k, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, acc_out, 64);
+}
+#else
+int bf16_amx_init(void) { return -1; }
+#endif
+
+/* x [M, K] bf16 (rows contiguous) -> y [M, N] bf16, plus bias (fp32 [N] or NULL). K even (with `amx`, a multiple
+   of 32, on a CPU with AMX-BF16 after bf16_amx_init); returns -1 otherwise. */
+int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int M, int K, int N,
+                int num_threads, int amx) {
+    if (K % 2 != 0 || N <= 0 || M <= 0)
+        return -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx && K % 32 != 0)
+        return -1;
+#else
+    if (amx)
+        return -1;
+#endif
+    const int tiles = (N + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int t = 0; t < tiles; t++) {
+        float out[16 * 16], f[16];
+        const int width = N - 16 * t < 16 ? N - 16 * t : 16;            /* the last tile's real outputs */
+        const __mmask16 live = (__mmask16)((1u << width) - 1);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + 16 * t) : _mm512_setzero_ps();
+        for (int m0 = 0; m0 < M; m0 += amx ? 16 : ROWS) {
+            const int rows = M - m0 < (amx ? 16 : ROWS) ? M - m0 : (amx ? 16 : ROWS);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (amx) {
+                amx_configure(rows);
+                amx_tile(x, packed, out, m0, t, K);
+            } else
+#endif
+            tile_any(x, packed, out, m0, rows, t, K);
+            for (int r = 0; r < rows; r++) {
+                _mm512_storeu_ps(f, _mm512_add_ps(_mm512_loadu_ps(out + 16 * r), bv));
+                uint16_t *yr = y + (size_t)(m0 + r) * N + 16 * t;
+                for (int i = 0; i < width; i++)
+                    yr[i] = to_bf16(f[i]);
+            }
+        }
+    }
+    return 0;
+}
