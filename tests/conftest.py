@@ -25,8 +25,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_configure(config) -> None:
-    """Each worker's torch threads: its share of the cores, never fewer than two (the default on two cores, so
-    the bits-per-thread tests below still compare two threads with one)."""
+    """Each worker's torch threads: its share of the cores, never fewer than two (the default on two cores; the
+    tests that compare bits at one and two threads pin two with `two_threads`)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(2, (os.cpu_count() or 1) // workers))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.kernel_cache import kernel_cache_path, load_cache, machine_key, save_cache
-from specserve.layers.native_bf16 import AMX, AVX512, BF16Linear, native_bf16_kernels
+from specserve.layers.native_bf16 import AMX, BF16Linear, native_bf16_kernels, sum_order
 from specserve.layers.quantization import (HEAD_QUANTIZATION, INT4_GROUP, A8Linear, can_quantize_int4, int4_linear,
                                            int8_linear, native_kernel, quantize_int4, quantize_int8)
 
@@ -182,7 +182,7 @@ def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None
         logger.warning("no row-invariant kernel for a %s weight %s on this CPU: verify rows may differ from decode "
                        "rows in the last bits", dtype, tuple(weights[0].shape))
         kernels, two_rows = {names[0]: [make_kernel(names[0], w, b) for w, b in zip(weights, biases)]}, {names[0]: False}
-    reference = make_kernel(names[0], weights[0], biases[0])(probe)
+    reference = (kernels[names[0]][0] if names[0] in kernels else make_kernel(names[0], weights[0], biases[0]))(probe)
     families = product_families(kernels, probe, reference, weights[0], biases[0])
     in_use = {n: kernels[n] for family in families for n in family}
     timings = [time_kernels(in_use, torch.randn(rows, weights[0].shape[1]).to(dtype)) for rows in BUCKET_ROWS]
@@ -196,11 +196,6 @@ def choose_kernels(weights: list[torch.Tensor], biases: list[torch.Tensor | None
     timings = [{n: round(s * 1e6, 1) for n, s in seconds.items()} for seconds in timings]
     cache[key] = {"choice": choice, "us": timings, "two_rows": {n: two_rows[n] for n in in_use}}
     return choice, kernels
-
-
-def sum_order(name: str) -> str:
-    """The native bf16 kernels each sum in an order of their own; torch's kernels are told apart by the probe."""
-    return name if name in (AMX, AVX512) else "torch"
 
 
 def product_families(kernels: dict[str, list[Kernel]], probe: torch.Tensor, reference: torch.Tensor,

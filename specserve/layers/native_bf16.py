@@ -19,6 +19,12 @@ def native_bf16_kernels(shape: tuple[int, int] | None) -> list[str]:
     return ([AMX] if amx and (shape is None or shape[1] % 32 == 0) else []) + [AVX512]
 
 
+def sum_order(name: str) -> str:
+    """Kernels of one sum order may give the same bits: each native path has its own; torch's kernels share one
+    and are told apart by a probe (layers/linear.py)."""
+    return name if name in (AMX, AVX512) else "torch"
+
+
 class BF16Linear:
     """One bf16 weight packed for the kernel: tiles of 16 outputs, each pair of inputs 16 lanes of two bf16."""
 
@@ -29,15 +35,15 @@ class BF16Linear:
         w = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, -self.out_features % 16))
         self.packed = w.view(-1, 16, self.in_features // 2, 2).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.pointers = (self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return self(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()).view(
                 *x.shape[:-1], self.out_features).to(x.dtype)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        if x.shape[0] and self.lib.bf16_linear(x.data_ptr(), self.packed.data_ptr(),
-                                               None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                                               x.shape[0], self.in_features, self.out_features,
-                                               torch.get_num_threads(), self.amx) != 0:
+        if x.shape[0] and self.lib.bf16_linear(x.data_ptr(), *self.pointers, y.data_ptr(), x.shape[0],
+                                               self.in_features, self.out_features, torch.get_num_threads(),
+                                               self.amx) != 0:
             raise ValueError(f"the native bf16 kernel cannot take a {self.out_features}x{self.in_features} weight")
         return y

@@ -124,18 +124,24 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, ui
     if (amx)
         return -1;
 #endif
-    const int tiles = (N + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int tiles = (N + 15) / 16, block = amx ? 16 : ROWS;
+#pragma omp parallel num_threads(num_threads)
+    {
+    int configured = 0;                     /* the rows this thread's tile registers are set up for (AMX) */
+#pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         float out[16 * 16], f[16];
         const int width = N - 16 * t < 16 ? N - 16 * t : 16;            /* the last tile's real outputs */
         const __mmask16 live = (__mmask16)((1u << width) - 1);
         __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + 16 * t) : _mm512_setzero_ps();
-        for (int m0 = 0; m0 < M; m0 += amx ? 16 : ROWS) {
-            const int rows = M - m0 < (amx ? 16 : ROWS) ? M - m0 : (amx ? 16 : ROWS);
+        for (int m0 = 0; m0 < M; m0 += block) {
+            const int rows = M - m0 < block ? M - m0 : block;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (amx) {
-                amx_configure(rows);
+                if (rows != configured) {
+                    amx_configure(rows);
+                    configured = rows;
+                }
                 amx_tile(x, packed, out, m0, t, K);
             } else
 #endif
@@ -147,6 +153,7 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, ui
                     yr[i] = to_bf16(f[i]);
             }
         }
+    }
     }
     return 0;
 }
