@@ -303,6 +303,18 @@ def test_speedups_and_auto_table_use_the_plain_run_of_their_own_block():
     assert "| a | 1 | 100.0 | - (0.0) | 120.0 |" in table and "| b | 1 | 50.0 | 2 (60.0) | 55.0 | 0.00 | 0.92x |" in table
 
 
+def test_auto_table_pairs_each_round_with_the_best_setting_of_the_same_round():
+    def measured(method, k, runs):
+        return replace(point(method, k, sorted(runs)[len(runs) // 2]), block="b", concurrency=2, runs=runs)
+    # the machine slowed in round 2: every setting ran slower there, auto less so than the medians say
+    points = [measured("none", 0, [50.0, 30.0, 52.0]), measured("b", 2, [60.0, 36.0, 62.0]),
+              measured("b", "auto", [59.0, 35.0, 57.0])]
+    row = next(line for line in auto_against_fixed(points).splitlines() if line.startswith("| b | 2 |"))
+    assert row.endswith("| 2 (60.0) | 57.0 | 0.00 | 0.95x | 0.97x |")       # medians 57/60; rounds 59/60, 35/36, 57/62
+    single = [replace(p, runs=p.runs[:1]) for p in points]
+    assert auto_against_fixed(single).splitlines()[-1].endswith("| - |")
+
+
 def test_sweep_table_and_files(tmp_path):
     points = [point("none", 0, 100.0), point("ngram", 2, 150.0), point("ngram", 4, 120.0)]
     add_speedups(points)

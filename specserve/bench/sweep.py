@@ -178,21 +178,33 @@ def add_speedups(points: list[SweepPoint]) -> None:
 
 def auto_against_fixed(points: list[SweepPoint]) -> str:
     """Per method and concurrency: "auto" against the best of plain decoding and every fixed k measured (the
-    goal: auto >= 0.97x that everywhere), as a markdown table."""
+    goal: auto >= 0.97x that everywhere), as a markdown table: the ratio of the medians, and with --repeats the
+    median of the rounds' ratios against that same best setting (each round runs the settings back to back, so a
+    slow minute of the machine falls on both sides of a round's ratio but on one side of the medians')."""
     lines = ["| method | concurrency | plain tok/s | best fixed k (tok/s) | auto tok/s | auto mean k | "
-             "auto / max(plain, best k) |", "|---|---|---|---|---|---|---|"]
+             "auto / max(plain, best k) | paired rounds |", "|---|---|---|---|---|---|---|---|"]
     for auto in (p for p in points if p.num_assistant_tokens == "auto"):
         same = [p for p in points if p.concurrency == auto.concurrency]
         plain = baseline_of(auto, points)
         fixed = [p for p in same if p.method == auto.method and isinstance(p.num_assistant_tokens, int)
                  and p.num_assistant_tokens > 0]
         best = max(fixed, key=lambda p: p.output_throughput, default=None)
-        reference = max([q.output_throughput for q in (plain, best) if q is not None], default=0.0)
-        ratio = f"{auto.output_throughput / reference:.2f}x" if reference else "-"
+        reference = max((q for q in (plain, best) if q is not None), key=lambda q: q.output_throughput, default=None)
+        ratio = f"{auto.output_throughput / reference.output_throughput:.2f}x" if reference and \
+            reference.output_throughput else "-"
         lines.append(f"| {auto.method} | {auto.concurrency} | {plain.output_throughput if plain else float('nan'):.1f} "
                      f"| {best.num_assistant_tokens if best else '-'} ({best.output_throughput if best else 0:.1f}) "
-                     f"| {auto.output_throughput:.1f} | {auto.mean_draft_length or 0:.2f} | {ratio} |")
+                     f"| {auto.output_throughput:.1f} | {auto.mean_draft_length or 0:.2f} | {ratio} "
+                     f"| {paired_ratio(auto, reference)} |")
     return "\n".join(lines)
+
+
+def paired_ratio(p: SweepPoint, reference: SweepPoint | None) -> str:
+    """The median over rounds of p's throughput over the reference's in the same round ("-" with one round)."""
+    if reference is None or not p.runs or not reference.runs or len(p.runs) != len(reference.runs) \
+            or len(p.runs) < 2 or min(reference.runs) <= 0:
+        return "-"
+    return f"{statistics.median(a / b for a, b in zip(p.runs, reference.runs)):.2f}x"
 
 
 def format_table(points: list[SweepPoint]) -> str:
