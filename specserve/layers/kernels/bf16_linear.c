@@ -25,12 +25,6 @@
 #define AMX_PREFETCH 2048       /* the same for the AMX path: 3072x576 at one row 249 -> 199 us at 2 threads, ~18 GB/s
                                    (1 and 4 KB: 206 and 196 us; session 15) */
 
-static inline uint16_t to_bf16(float x) {                     /* round to nearest even (no NaNs here) */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 static inline __m512bh pair(const uint16_t *x) {              /* inputs 2 p, 2 p + 1 of a row, in all 16 lanes */
     int32_t v;
     memcpy(&v, x, 4);
@@ -107,9 +101,88 @@ static void amx_tile(const uint16_t *x, const uint16_t *packed, float *acc_out, 
     }
     _tile_stored(0, acc_out, 64);
 }
+
+#define M_BLOCK 256             /* rows of a prompt chunk whose inputs every tile passes before the next rows' */
+#define QUAD 64                     /* amx_configure's marker for the quad configuration (rows never reach it) */
+
+static void amx_configure_quad(void) {      /* tmm0-3: C [16 x 16 fp32]; tmm4, 5: A [16 x 32 bf16]; tmm6, 7: B */
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Tiles t, t + 1 for rows [m0, m0 + 32): four C tiles, so four tile products are in flight where amx_tile has one
+   waiting on the last (a prompt chunk's many rows are compute-bound), and each A and B load serves two of them.
+   Each element is the same chain of tile products as in amx_tile: the same bits. acc_out [4][16][16]: (rows m0,
+   tile t), (m0, t + 1), (m0 + 16, t), (m0 + 16, t + 1). */
+static void amx_quad(const uint16_t *x, const uint16_t *packed, float *acc_out, int m0, int t, int K, int prefetch) {
+    const uint16_t *w0 = packed + (long)t * 16 * K, *w1 = w0 + 16 * K;
+    const uint16_t *x0 = x + (long)m0 * K, *x1 = x0 + 16L * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < K; k += 32) {
+        if (prefetch)                                            /* the first rows stream the weights in */
+            for (int line = 0; line < 1024; line += 64) {
+                _mm_prefetch((const char *)(w0 + 16 * k) + AMX_PREFETCH + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w1 + 16 * k) + AMX_PREFETCH + line, _MM_HINT_T0);
+            }
+        _tile_loadd(4, x0 + k, 2 * K);
+        _tile_loadd(6, w0 + 16 * k, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w1 + 16 * k, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, x1 + k, 2 * K);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc_out, 64);
+    _tile_stored(1, acc_out + 256, 64);
+    _tile_stored(2, acc_out + 512, 64);
+    _tile_stored(3, acc_out + 768, 64);
+}
 #else
 int bf16_amx_init(void) { return -1; }
 #endif
+
+/* Rows [m0, m0 + rows) of tile t's sums (out [rows][16]) plus the bias -> y, in bf16 */
+static void store(uint16_t *y, const float *out, const float *bias, int m0, int rows, int t, int N) {
+    const int width = N - 16 * t < 16 ? N - 16 * t : 16;                /* the last tile's real outputs */
+    const __mmask16 live = (__mmask16)((1u << width) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + 16 * t) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {        /* vcvtneps2bf16: round to nearest even */
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(out + 16 * r), bv));
+        _mm256_mask_storeu_epi16(y + (size_t)(m0 + r) * N + 16 * t, live, h);
+    }
+}
+
+/* Tile t for rows [m0, M), a block of `block` rows at a time (AMX: 16 in the C tile; else ROWS in registers) */
+static void rows_of_tile(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int m0, int M,
+                         int K, int N, int t, int block, int amx, int *configured) {
+    float out[16 * 16];
+    for (; m0 < M; m0 += block) {
+        const int rows = M - m0 < block ? M - m0 : block;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) {
+            if (rows != *configured) {
+                amx_configure(rows);
+                *configured = rows;
+            }
+            amx_tile(x, packed, out, m0, t, K);
+        } else
+#endif
+        tile_any(x, packed, out, m0, rows, t, K);
+        store(y, out, bias, m0, rows, t, N);
+    }
+    (void)amx;
+    (void)configured;
+}
 
 /* x [M, K] bf16 (rows contiguous) -> y [M, N] bf16, plus bias (fp32 [N] or NULL). K even (with `amx`, a multiple
    of 32, on a CPU with AMX-BF16 after bf16_amx_init); returns -1 otherwise. */
@@ -125,35 +198,46 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, ui
         return -1;
 #endif
     const int tiles = (N + 15) / 16, block = amx ? 16 : ROWS;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx && M >= 32) {   /* a prompt chunk: pairs of tiles, 32 rows at a time in four C tiles, over row blocks
+                               of at most M_BLOCK (their inputs stay in the cache while every tile passes them) */
+#pragma omp parallel num_threads(num_threads)
+        {
+        int configured = 0;
+        float out[4 * 16 * 16];
+        for (int mb = 0; mb < M; mb += M_BLOCK) {
+            const int end = M - mb < M_BLOCK ? M : mb + M_BLOCK;
+#pragma omp for schedule(static)
+            for (int q = 0; q < (tiles + 1) / 2; q++) {
+                const int t = 2 * q;
+                int m0 = mb;
+                if (t + 1 < tiles) {
+                    if (configured != QUAD) {
+                        amx_configure_quad();
+                        configured = QUAD;
+                    }
+                    for (; end - m0 >= 32; m0 += 32) {
+                        amx_quad(x, packed, out, m0, t, K, m0 == mb);
+                        store(y, out, bias, m0, 16, t, N);
+                        store(y, out + 256, bias, m0, 16, t + 1, N);
+                        store(y, out + 512, bias, m0 + 16, 16, t, N);
+                        store(y, out + 768, bias, m0 + 16, 16, t + 1, N);
+                    }
+                }
+                for (int u = t; u < t + 2 && u < tiles; u++)    /* the rows left, and an unpaired last tile */
+                    rows_of_tile(x, packed, bias, y, m0, end, K, N, u, block, amx, &configured);
+            }
+        }
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
     int configured = 0;                     /* the rows this thread's tile registers are set up for (AMX) */
 #pragma omp for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        float out[16 * 16], f[16];
-        const int width = N - 16 * t < 16 ? N - 16 * t : 16;            /* the last tile's real outputs */
-        const __mmask16 live = (__mmask16)((1u << width) - 1);
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + 16 * t) : _mm512_setzero_ps();
-        for (int m0 = 0; m0 < M; m0 += block) {
-            const int rows = M - m0 < block ? M - m0 : block;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-            if (amx) {
-                if (rows != configured) {
-                    amx_configure(rows);
-                    configured = rows;
-                }
-                amx_tile(x, packed, out, m0, t, K);
-            } else
-#endif
-            tile_any(x, packed, out, m0, rows, t, K);
-            for (int r = 0; r < rows; r++) {
-                _mm512_storeu_ps(f, _mm512_add_ps(_mm512_loadu_ps(out + 16 * r), bv));
-                uint16_t *yr = y + (size_t)(m0 + r) * N + 16 * t;
-                for (int i = 0; i < width; i++)
-                    yr[i] = to_bf16(f[i]);
-            }
-        }
-    }
+    for (int t = 0; t < tiles; t++)
+        rows_of_tile(x, packed, bias, y, 0, M, K, N, t, block, amx, &configured);
     }
     return 0;
 }
