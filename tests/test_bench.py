@@ -303,6 +303,15 @@ def test_speedups_and_auto_table_use_the_plain_run_of_their_own_block():
     assert "| a | 1 | 100.0 | - (0.0) | 120.0 |" in table and "| b | 1 | 50.0 | 2 (60.0) | 55.0 | 0.00 | 0.92x |" in table
 
 
+def test_rounds_go_in_mirrored_pairs_that_cancel_a_steady_drift():
+    from specserve.bench.sweep import round_order
+    rounds = [round_order([0, 1, 2], r) for r in range(6)]
+    assert rounds == [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1], [2, 0, 1], [1, 0, 2]]
+    for pair in (rounds[0] + rounds[1], rounds[2] + rounds[3]):   # every setting's mean position is the same
+        assert len({sum(i for i, s in enumerate(pair) if s == k) for k in range(3)}) == 1
+    assert {tuple(r[:1]) for r in rounds[::2]} == {(0,), (1,), (2,)}                 # each setting leads a pair
+
+
 def test_auto_table_pairs_each_round_with_the_best_setting_of_the_same_round():
     def measured(method, k, runs):
         return replace(point(method, k, sorted(runs)[len(runs) // 2]), block="b", concurrency=2, runs=runs)
@@ -454,9 +463,9 @@ def test_bench_sweep_cli_against_fake_server(fake_server, tmp_path, capsys):
     points = run_sweep(args)
     assert [p.num_assistant_tokens for p in points] == [0, 2]
     assert all(len(p.runs) == 3 and p.output_throughput == statistics.median(p.runs) for p in points)
-    out = capsys.readouterr().out            # rounds interleave the settings, each round starting one later
+    out = capsys.readouterr().out            # rounds interleave the settings: A B, B A, then B A (rotated by one)
     order = re.findall(r"num_assistant_tokens=(\d) concurrency=1 round (\d)/3", out)
-    assert order == [("0", "1"), ("2", "1"), ("2", "2"), ("0", "2"), ("0", "3"), ("2", "3")]
+    assert order == [("0", "1"), ("2", "1"), ("2", "2"), ("0", "2"), ("2", "3"), ("0", "3")]
     assert points[1].tokens_per_step == pytest.approx(7 / 4)   # 7 tokens, 3 of them accepted drafts
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"sweep.csv", "sweep.json", "sweep.png"}
     assert "speedup" in out

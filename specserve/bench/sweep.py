@@ -84,9 +84,10 @@ class Target:
 
 
 async def measure_block(args: argparse.Namespace, targets: list[Target], block: str) -> list[SweepPoint]:
-    """Every (server, k) setting of `targets` at each concurrency, --repeats times in interleaved rounds (A B C,
-    then B C A, ...), so that a change in the machine's load falls on every setting alike. Each point keeps
-    the median of its rounds' throughputs; its other figures come from the round nearest that median."""
+    """Every (server, k) setting of `targets` at each concurrency, --repeats times in interleaved rounds, so that a
+    change in the machine's load falls on every setting alike: rounds go in mirrored pairs, each pair starting one
+    setting later (A B C, C B A, then B C A, A C B, ...), and a pair cancels a steady drift exactly (A B B A).
+    Each point keeps the median of its rounds' throughputs; its other figures come from the round nearest it."""
     concurrencies, repeats = concurrencies_of(args), getattr(args, "repeats", 1) or 1
     most = argparse.Namespace(**{**vars(args), "num_prompts": max(num_prompts_at(args, c) for c in concurrencies)})
     prepared = [await prepare(most, t.base_url) for t in targets]
@@ -96,7 +97,7 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
     for c in concurrencies:
         rounds: dict[int, list[SweepPoint]] = {i: [] for i in order}
         for r in range(repeats):
-            for i in order[r % len(order):] + order[:r % len(order)]:
+            for i in round_order(order, r):
                 target, cfg, samples, tokenizer, k = settings[i]
                 body = {**(cfg.extra_body or {}), "num_assistant_tokens": k}
                 run_cfg = replace(cfg, max_concurrency=c, extra_body=body)
@@ -109,6 +110,13 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
                       f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
         points += [median_point(rounds[i], block) for i in order]
     return points
+
+
+def round_order(order: list[int], r: int) -> list[int]:
+    """Round r's order: pair r // 2 rotates `order` by one more, and its second round runs it backwards."""
+    j = (r // 2) % len(order)
+    rotated = order[j:] + order[:j]
+    return rotated if r % 2 == 0 else rotated[::-1]
 
 
 def median_point(runs: list[SweepPoint], block: str) -> SweepPoint:
