@@ -24,6 +24,7 @@
 #define PREFETCH 1024           /* bytes ahead in the weights */
 #define AMX_PREFETCH 2048       /* the same for the AMX path: 3072x576 at one row 249 -> 199 us at 2 threads, ~18 GB/s
                                    (1 and 4 KB: 206 and 196 us; session 15) */
+#define M_BLOCK 256             /* rows of a prompt chunk whose inputs every tile passes before the next rows' */
 
 static inline __m512bh pair(const uint16_t *x) {              /* inputs 2 p, 2 p + 1 of a row, in all 16 lanes */
     int32_t v;
@@ -102,7 +103,6 @@ static void amx_tile(const uint16_t *x, const uint16_t *packed, float *acc_out, 
     _tile_stored(0, acc_out, 64);
 }
 
-#define M_BLOCK 256             /* rows of a prompt chunk whose inputs every tile passes before the next rows' */
 #define QUAD 64                     /* amx_configure's marker for the quad configuration (rows never reach it) */
 
 static void amx_configure_quad(void) {      /* tmm0-3: C [16 x 16 fp32]; tmm4, 5: A [16 x 32 bf16]; tmm6, 7: B */
@@ -198,46 +198,38 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, ui
         return -1;
 #endif
     const int tiles = (N + 15) / 16, block = amx ? 16 : ROWS;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx && M >= 32) {   /* a prompt chunk: pairs of tiles, 32 rows at a time in four C tiles, over row blocks
-                               of at most M_BLOCK (their inputs stay in the cache while every tile passes them) */
-#pragma omp parallel num_threads(num_threads)
-        {
-        int configured = 0;
-        float out[4 * 16 * 16];
-        for (int mb = 0; mb < M; mb += M_BLOCK) {
-            const int end = M - mb < M_BLOCK ? M : mb + M_BLOCK;
-#pragma omp for schedule(static)
-            for (int q = 0; q < (tiles + 1) / 2; q++) {
-                const int t = 2 * q;
-                int m0 = mb;
-                if (t + 1 < tiles) {
-                    if (configured != QUAD) {
-                        amx_configure_quad();
-                        configured = QUAD;
-                    }
-                    for (; end - m0 >= 32; m0 += 32) {
-                        amx_quad(x, packed, out, m0, t, K, m0 == mb);
-                        store(y, out, bias, m0, 16, t, N);
-                        store(y, out + 256, bias, m0, 16, t + 1, N);
-                        store(y, out + 512, bias, m0 + 16, 16, t, N);
-                        store(y, out + 768, bias, m0 + 16, 16, t + 1, N);
-                    }
-                }
-                for (int u = t; u < t + 2 && u < tiles; u++)    /* the rows left, and an unpaired last tile */
-                    rows_of_tile(x, packed, bias, y, m0, end, K, N, u, block, amx, &configured);
-            }
-        }
-        }
-        return 0;
-    }
-#endif
+    const int quads = amx && M >= 32;   /* a prompt chunk: pairs of tiles, 32 rows at a time in four C tiles (AMX) */
+    /* pairs of tiles over row blocks of at most M_BLOCK: a block's inputs stay in the cache while every tile passes */
 #pragma omp parallel num_threads(num_threads)
     {
-    int configured = 0;                     /* the rows this thread's tile registers are set up for (AMX) */
+    int configured = 0;                     /* what this thread's tile registers are set up for (AMX: rows or QUAD) */
+    for (int mb = 0; mb < M; mb += M_BLOCK) {
+        const int end = M - mb < M_BLOCK ? M : mb + M_BLOCK;
 #pragma omp for schedule(static)
-    for (int t = 0; t < tiles; t++)
-        rows_of_tile(x, packed, bias, y, 0, M, K, N, t, block, amx, &configured);
+        for (int q = 0; q < (tiles + 1) / 2; q++) {
+            const int t = 2 * q;
+            int m0 = mb;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (quads && t + 1 < tiles) {
+                float out[4 * 16 * 16];
+                if (configured != QUAD) {
+                    amx_configure_quad();
+                    configured = QUAD;
+                }
+                for (; end - m0 >= 32; m0 += 32) {
+                    amx_quad(x, packed, out, m0, t, K, m0 == mb);
+                    store(y, out, bias, m0, 16, t, N);
+                    store(y, out + 256, bias, m0, 16, t + 1, N);
+                    store(y, out + 512, bias, m0 + 16, 16, t, N);
+                    store(y, out + 768, bias, m0 + 16, 16, t + 1, N);
+                }
+            }
+#endif
+            for (int u = t; u < t + 2 && u < tiles; u++)        /* the rows left, and an unpaired last tile */
+                rows_of_tile(x, packed, bias, y, m0, end, K, N, u, block, amx, &configured);
+        }
     }
+    }
+    (void)quads;
     return 0;
 }
