@@ -22,6 +22,7 @@ from specserve.bench.cli import build_parser
 from specserve.bench.serve import BenchResult, arrival_times, run_serve
 from specserve.bench.sweep import (SweepPoint, acceptance_length, add_speedups, auto_against_fixed, format_table,
                                    run_sweep, tokens_per_target_step, write_results)
+from specserve.bench.plots import concurrency_lines, plot_concurrency
 from specserve.bench.tune import pick_num_assistant_tokens, write_generation_config
 
 SONNET = default_sonnet_path()
@@ -334,6 +335,24 @@ def test_sweep_table_and_files(tmp_path):
     assert [p.name for p in paths] == ["sweep.csv", "sweep.json", "sweep.png"]
     assert paths[2].read_bytes()[:4] == b"\x89PNG" and len(json.loads(paths[1].read_text())) == 3
 
+
+
+def test_concurrency_plot_has_a_panel_per_method_with_plain_in_each(tmp_path):
+    """Plain is measured inside every method's block: a panel shows its own block's runs, else all of them."""
+    points = [replace(point(m, k, t), concurrency=c) for m, k, t, c in [
+        ("none", 0, 100.0, 1), ("ngram", 2, 150.0, 1), ("ngram", "auto", 160.0, 1), ("none", 0, 90.0, 1),
+        ("eagle3", "auto", 95.0, 1), ("none", 0, 200.0, 4), ("ngram", 2, 180.0, 4), ("ngram", "auto", 210.0, 4),
+        ("none", 0, 220.0, 4), ("eagle3", "auto", 215.0, 4), ("none", 0, 80.0, 1)]]
+    panels = concurrency_lines(points)
+    assert list(panels) == ["ngram", "eagle3"]
+    assert concurrency_lines([replace(p, block="eagle3") if p.output_throughput in (80.0, 220.0) else p
+                              for p in points])["eagle3"]["plain"] == ([1, 4], [80.0, 220.0])
+    assert list(panels["ngram"]) == ["plain", "k=2", "k=auto"] and list(panels["eagle3"]) == ["plain", "k=auto"]
+    assert panels["eagle3"]["plain"] == ([1, 4], [90.0, 210.0])
+    assert panels["ngram"]["k=auto"] == ([1, 4], [160.0, 210.0])
+    plot_concurrency(points, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(concurrency_lines(points[:1])) == ["plain decoding"]
 
 # --- the CLI against a fake OpenAI-compatible server ---
 

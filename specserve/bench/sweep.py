@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from specserve.bench.launch import ServerStartError, launched_server
+from specserve.bench.plots import plot
 from specserve.bench.serve import BenchResult, base_url_of, benchmark, prepare, print_failures
 
 PLAIN = "none"  # the --speculative-method of plain decoding
@@ -236,57 +237,6 @@ def write_results(points: list[SweepPoint], result_dir: Path, name: str = "sweep
     json_path.write_text(json.dumps([asdict(p) for p in points], indent=2))
     plot(points, png_path)
     return [csv_path, json_path, png_path]
-
-
-def plot(points: list[SweepPoint], path: Path) -> None:
-    if len({p.concurrency for p in points}) > 1:
-        return plot_concurrency(points, path)
-    points = [p for p in points if isinstance(p.num_assistant_tokens, int)]    # over k: "auto" has no place
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
-    from matplotlib.ticker import MaxNLocator
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    throughput_ax, steps_ax = fig.subplots(1, 2)
-    baseline = next((p for p in points if p.num_assistant_tokens == 0), None)
-    for method in dict.fromkeys(p.method for p in points if p.num_assistant_tokens > 0):
-        drafting = sorted((p for p in points if p.method == method and p.num_assistant_tokens > 0),
-                          key=lambda p: p.num_assistant_tokens)
-        ks = [p.num_assistant_tokens for p in drafting]
-        throughput_ax.plot(ks, [p.output_throughput for p in drafting], marker="o", label=method)
-        steps_ax.plot(ks, [p.tokens_per_step for p in drafting], marker="o", label=f"{method} tokens/step")
-        steps_ax.plot(ks, [p.acceptance_length or float("nan") for p in drafting], marker="x", linestyle=":",
-                      label=f"{method} acceptance length")
-    if baseline is not None:
-        throughput_ax.axhline(baseline.output_throughput, color="gray", linestyle="--", label="plain decoding")
-        steps_ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
-    throughput_ax.set(xlabel="num_assistant_tokens", ylabel="output tokens/s", title="Throughput")
-    steps_ax.set(xlabel="num_assistant_tokens", ylabel="tokens", title="Tokens per target step")
-    for ax in (throughput_ax, steps_ax):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-
-
-def plot_concurrency(points: list[SweepPoint], path: Path) -> None:
-    """Output tokens/s against concurrency, one line per setting (plain, each method's fixed k, "auto")."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.subplots()
-    settings = dict.fromkeys((p.method, p.num_assistant_tokens) for p in points)
-    for method, k in settings:
-        by_concurrency: dict[int, list[float]] = {}     # plain is measured once in each method's block
-        for p in points:
-            if (p.method, p.num_assistant_tokens) == (method, k):
-                by_concurrency.setdefault(p.concurrency, []).append(p.output_throughput)
-        xs = sorted(by_concurrency)
-        label = "plain" if k == 0 else f"{method} k={k}"
-        style = dict(linewidth=2.5) if k == "auto" else dict(linestyle="--" if k == 0 else ":")
-        ax.plot(xs, [statistics.median(by_concurrency[x]) for x in xs], marker="o", label=label, **style)
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput against concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.savefig(path, dpi=100)
 
 
 def run_sweep(args: argparse.Namespace) -> list[SweepPoint]:
