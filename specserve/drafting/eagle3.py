@@ -41,10 +41,7 @@ class HeadState:
     tail: torch.Tensor | None              # [H] fc(target states) at num_computed - 1: what the next slot reads
     root: torch.Tensor | None = None       # [H] the head's output at slot num_computed (the last token), once run
     pending: list[torch.Tensor] = field(default_factory=list)   # fc(target states) from num_computed, not run
-
-    @property
-    def num_pending(self) -> int:
-        return sum(len(p) for p in self.pending)
+    num_pending: int = 0                   # their rows, counted as they come (read for every sequence every step)
 
 
 class Eagle3Proposer(Proposer):
@@ -143,6 +140,7 @@ class Eagle3Proposer(Proposer):
             for (seq, state, n), fed in zip(work, fed_all.split([n for _, _, n in work])):
                 keep_block_tails(self.block_tails, seq, state.num_computed + state.num_pending, fed, self.block_size)
                 state.pending.append(fed)
+                state.num_pending += len(fed)
                 self.states[seq.seq_id] = state
                 if catch_up_now(seq, state.num_pending, self.drafted):
                     catch_up.append((seq, state))
@@ -163,7 +161,7 @@ class Eagle3Proposer(Proposer):
                 items.append(self._item(seq, seq.block_table, first, seq.token_ids[first:last], list(range(first - 1, last - 1))))
                 inputs.append(reads)
                 owners.append((state, with_root))
-            state.num_computed, state.tail, state.root, state.pending = end, fed[-1], None, []
+            state.num_computed, state.tail, state.root, state.pending, state.num_pending = end, fed[-1], None, [], 0
             seq.num_drafter_computed = end
         if items:
             out = self._forward(items, torch.cat(inputs))

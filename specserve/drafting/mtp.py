@@ -47,10 +47,7 @@ class MTPState:
                                        # the catch-up could run that slot too: drafting starts from it
     pending: list[torch.Tensor] = field(default_factory=list)  # [n, H] target states of the committed slots
                                        # from num_computed on, not yet run through the layers
-
-    @property
-    def num_pending(self) -> int:
-        return sum(len(p) for p in self.pending)
+    num_pending: int = 0               # their rows, counted as they come (read for every sequence every step)
 
 
 class MTPProposer(Proposer):
@@ -141,6 +138,7 @@ class MTPProposer(Proposer):
             have = state.num_computed + state.num_pending       # slots whose target state is held
             if rows := rows[have - first:]:
                 state.pending.append(fed := hidden.final[rows])   # indexing by a list copies the rows
+                state.num_pending += len(fed)
                 keep_block_tails(self.block_tails[:, 0], seq, have, fed, self.block_size)   # a restart point
             if catch_up_now(seq, state.num_pending, self.drafted):
                 work.append((seq, state))
@@ -181,7 +179,7 @@ class MTPProposer(Proposer):
             state.num_computed = seq.num_drafter_computed = seq.num_computed_tokens
             state.tails = torch.stack(tails)
             state.root = torch.stack(root) if root else None
-            state.pending = []
+            state.pending, state.num_pending = [], 0
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
