@@ -11,10 +11,11 @@ if TYPE_CHECKING:
 
 
 def plot(points: list[SweepPoint], path: Path) -> None:
+    """Against concurrency when the points span several, else against num_assistant_tokens."""
     if len({p.concurrency for p in points}) > 1:
         return plot_concurrency(points, path)
     points = [p for p in points if isinstance(p.num_assistant_tokens, int)]    # over k: "auto" has no place
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
     fig = Figure(figsize=(11, 4), layout="constrained")
     throughput_ax, steps_ax = fig.subplots(1, 2)
@@ -66,9 +67,9 @@ def plot_concurrency(points: list[SweepPoint], path: Path) -> None:
     cols, rows = min(len(panels), 2), (len(panels) + 1) // 2
     fig = Figure(figsize=(4.5 * cols + 0.5, 3.2 * rows + 0.5), layout="constrained")
     axes = list(fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).flat)
+    style = {"plain": dict(color="gray", linestyle="--"), "k=auto": dict(color="black", linewidth=2.5)}
     for ax, (method, lines) in zip(axes, panels.items()):
         for label, (xs, ys) in lines.items():
-            style = {"plain": dict(color="gray", linestyle="--"), "k=auto": dict(color="black", linewidth=2.5)}
             ax.plot(xs, ys, marker="o", label=label, **style.get(label, dict(linestyle=":")))
         ax.set_xscale("log", base=2)
         ax.set(title=method, xlabel="max concurrency", ylabel="output tokens/s")

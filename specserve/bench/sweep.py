@@ -115,7 +115,8 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
 
 def round_order(order: list[int], r: int) -> list[int]:
     """Round r's order: pair r // 2 rotates `order` by one more, and its second round runs it backwards."""
-    rotated = order[(r // 2) % len(order):] + order[:(r // 2) % len(order)]
+    shift = (r // 2) % len(order)
+    rotated = order[shift:] + order[:shift]
     return rotated if r % 2 == 0 else rotated[::-1]
 
 
