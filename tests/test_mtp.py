@@ -1,6 +1,7 @@
 """MTP drafting: the DeepSeek-V3 layout, `specserve train mtp`, exactness, and prefix caching."""
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,23 @@ def test_drafts_exact_when_drafting_pauses_and_layers_run_only_to_draft(trained,
     monkeypatch.setattr("specserve.drafting.proposer.MAX_PENDING_TOKENS", 8)
     llm.generate(PROMPTS[0] + " again", greedy(24, num_assistant_tokens=0))
     assert 2 <= sum(calls) <= 6
+
+
+def test_the_layers_forward_after_a_step_is_priced_with_its_draft(trained, monkeypatch):
+    """After a step, the layers run over the committed tokens of every sequence that drafted (their next draft's
+    first forward): that is drafting's cost too, so "auto" prices a draft token with it, not with propose() alone
+    (at one sequence it was 2.4 ms of a draft step's 3.8 on the default model, and auto drafted at a loss)."""
+    llm = LLM(str(trained), kv_cache_memory_gb=0.01)
+    proposer, costs, observed = llm.engine.proposer, llm.engine.policy.costs, []
+    catch_up, observe = proposer._catch_up, type(costs).observe_drafter
+    proposer._catch_up = lambda work: (time.sleep(0.03) if work else None, catch_up(work))
+    monkeypatch.setattr(type(costs), "observe_drafter",
+                        lambda self, n, seconds, *rest: (observed.append((n, seconds)), observe(self, n, seconds, *rest)))
+    llm.generate(PROMPTS[0], greedy(12, num_assistant_tokens=2))
+    drafting = [seconds for n, seconds in observed if n > 0]
+    assert len(drafting) >= 3
+    assert sum(seconds >= 0.03 for seconds in drafting) >= len(drafting) - 1   # all but the step that finished it
+    assert costs.per_draft_token >= 0.01
 
 
 def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):

@@ -29,7 +29,7 @@ class BranchingDraft(DraftModelProposer):
                 committed = seq.token_ids[start:start + len(chain)]
                 match = next((i for i, (a, b) in enumerate(zip(chain, committed)) if a != b), len(committed))
                 self.pending[seq.seq_id] = (start, match + 1)
-        super().on_target_forward(seqs, hidden)
+        return super().on_target_forward(seqs, hidden)
 
     def propose(self, seqs, num_draft_tokens):
         chains = super().propose(seqs, num_draft_tokens).token_ids

@@ -98,13 +98,14 @@ class DraftModelProposer(Proposer):
             self.pending[seq.seq_id] = (len(seq), len(d))
         return draft
 
-    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
+    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> float:
         for seq in seqs:
             pending = self.pending.pop(seq.seq_id, None)
             if pending is not None:
                 committed, k = pending
                 # the draft fed draft tokens 1..k-1 after the committed ones: valid while accepted
                 seq.num_drafter_computed = min(committed + k - 1, seq.num_computed_tokens)
+        return 0.0
 
     def on_finished(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)

@@ -25,7 +25,7 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
 from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now,
-                                         keep_block_tails, restart_at, restart_tail)
+                                         keep_block_tails, restart_at, restart_tail, timed)
 from specserve.drafting.eagle3_check import check_acceptance
 from specserve.drafting.tree import GrowingTree, check_tree_shape
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
@@ -120,7 +120,7 @@ class Eagle3Proposer(Proposer):
         return ForwardItem(*fields, context_from=max(1, seq.drafter_start))
 
     @torch.inference_mode()
-    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
+    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> float:
         """Take the step's committed target states (fc applied); the head runs over them when `catch_up_now` says:
         a sequence the policy holds at 0 costs one fc row a token, not a head forward over every token."""
         work, rows = [], []
@@ -145,7 +145,7 @@ class Eagle3Proposer(Proposer):
                 if catch_up_now(seq, state.num_pending, self.drafted):
                     catch_up.append((seq, state))
         self.drafted = set()
-        self._catch_up(catch_up)
+        return timed(self._catch_up, catch_up)
 
     def _catch_up(self, work: list[tuple[Sequence, HeadState]]) -> None:
         """The head over each sequence's pending slots, and its last token's (the next root) where its block exists."""

@@ -27,7 +27,7 @@ import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
 from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, draft_chains,
-                                         keep_block_tails, restart_at, restart_tail)
+                                         keep_block_tails, restart_at, restart_tail, timed)
 from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
 from specserve.models.loader import read_tensor
@@ -127,7 +127,7 @@ class MTPProposer(Proposer):
         return embeds.masked_fill((positions == 0)[:, None], 0.0)      # slot 0 reads nothing
 
     @torch.inference_mode()
-    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
+    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> float:
         """Take the step's committed hidden states; run the layers over them when `catch_up_now` says."""
         work: list[tuple[Sequence, MTPState]] = []
         for seq, rows in zip(seqs, hidden.rows):
@@ -143,7 +143,7 @@ class MTPProposer(Proposer):
             if catch_up_now(seq, state.num_pending, self.drafted):
                 work.append((seq, state))
         self.drafted = set()
-        self._catch_up(work)
+        return timed(self._catch_up, work)
 
     def _catch_up(self, work: list[tuple[Sequence, MTPState]]) -> None:
         """Run every layer over each sequence's pending slots (and its last token's, where its block exists)."""

@@ -4,6 +4,7 @@ The engine loop (schedule, propose, verify, accept) never changes when a method 
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,6 +209,13 @@ def catch_up_now(seq: Sequence, num_pending: int, drafted: set[int]) -> bool:
     return num_pending > 0 and (seq.seq_id in drafted or num_pending >= MAX_PENDING_TOKENS)
 
 
+def timed(run, *args) -> float:
+    """Seconds run(*args) takes."""
+    start = time.perf_counter()
+    run(*args)
+    return time.perf_counter() - start
+
+
 def restart_at(seq: Sequence, first_row: int) -> int:
     """Where a deferring drafter with no state for a sequence restarts, the target's rows starting at first_row:
     at seq.num_drafter_computed (0, or a prefix-cache hit's drafter-valid blocks) when they start there, as a
@@ -267,9 +275,10 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         ...
 
-    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> None:
-        """Called after every target forward, once its drafts are verified, with the hidden states
-        of the committed tokens (heads that read the target's states catch up here)."""
+    def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> float:
+        """Called after every target forward, once its drafts are verified, with the hidden states of the committed
+        tokens (heads that read the target's states catch up here). Returns the seconds of its forwards: drafting's."""
+        return 0.0
 
     def catch_up_tokens(self, seq: Sequence) -> int:
         """Committed tokens the drafter would run over before its next draft for seq (what drafting after a
@@ -283,10 +292,6 @@ class Proposer(ABC):
 class NoProposer(Proposer):
     """Plain decoding: no request drafts, so the engine's loop needs no special case for it."""
     name = "none"
-
-    def settings(self, params: SamplingParams) -> dict[str, int]:
-        """The request's value of each of the method's options (its default where unresolved)."""
-        return {o.name: params.draft_options.get(o.name, o.default) for o in self.options}
 
     def max_draft_tokens(self, params: SamplingParams) -> int:
         return 0

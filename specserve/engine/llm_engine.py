@@ -207,10 +207,10 @@ class LLMEngine:
         hidden, aux = self.runner.forward(items, self.proposer.aux_layers)
         verified = self.verify(scheduled, draft, hidden)
         observe_step_time(self.policy, scheduled, items, time.perf_counter() - drafted)
-        self.policy.costs.observe_drafter(sum(len(ids) for ids in draft.token_ids), drafted - start, num_catch_up)
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
-        self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
+        deferred = self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
+        self.policy.costs.observe_drafter(sum(map(len, draft.token_ids)), drafted - start + deferred, num_catch_up)
         for s in scheduled:
             self._register(s.seq)
             if s.completes_prompt and s.seq.request_id in self.parked:   # its prompt's blocks are registered now
