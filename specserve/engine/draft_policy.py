@@ -27,19 +27,19 @@ plus r * u_i / n_i spread over the sequence's cap) visits, for every total n, ab
 expected tokens at that cost; G is evaluated exactly at every n at once and the best n taken. Cheap verify rows and
 high acceptance give long chains; a large batch (T steep in R) with low acceptance gives 0.
 
-Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
-(itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
-counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
-(`calibrate`); T is corrected after every decode-only step from its measured time less s * L; P (the time per
-prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of what such steps took
-beyond T and s * L; c and r a least-squares fit of propose() times to its draft tokens and caught-up tokens, over
-recent calls (alike per token until a call without catch-up tells them apart: on the draft tokens alone, a first
-call over a whole prompt priced drafting out). A sequence held at 0 drafts one token every PROBE_EVERY steps, so
-its estimate can recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait,
-up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
-drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent of
-plain decoding's speed. So a sequence probes only while its whole catch-up r * u_i costs no more than the probe's
-verify row: under load, probes made every sequence pay the drafter over its prompt.
+Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
+decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row counts of
+one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up (`calibrate`); T is
+corrected after every decode-only step from its measured time less s * L; P (the time per prompt-chunk row, from
+steps with prompt rows, so that they do not skew T) a running mean of what such steps took beyond T and s * L; c and
+r a least-squares fit of a step's drafter time (propose() and the forwards it defers, `on_target_forward`) to its
+draft and caught-up tokens over recent steps (alike per token until a call without catch-up tells them apart: on
+draft tokens alone, a first call over a whole prompt priced drafting out). A sequence held at 0 drafts one token
+every PROBE_EVERY steps, so its estimate can recover (the explore step of a bandit); each probe in a row that lands
+nothing doubles the wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the
+whole context and a drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost
+several percent of plain decoding's speed. So a sequence probes only while its whole catch-up r * u_i costs no more
+than the probe's verify row: under load, probes made every sequence pay the drafter over its prompt.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
