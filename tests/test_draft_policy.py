@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from specserve.config import demo_model_dir
-from specserve.engine.draft_policy import MAX_BACKOFF, PROBE_EVERY, Candidate, DraftPolicy, StepCosts
+from specserve.engine.draft_policy import MAX_BACKOFF, PROBE_EVERY, Candidate, DraftPolicy
+from specserve.engine.step_costs import StepCosts
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -119,6 +120,24 @@ def test_a_drafter_far_behind_a_sequence_costs_its_catch_up_and_does_not_probe()
     choices = [held.choose([Candidate(1, 8), Candidate(2, 8, catch_up=256)], fixed_rows=2, num_fixed_tokens=2)
                for _ in range(2 * (PROBE_EVERY << MAX_BACKOFF))]
     assert [c[0] for c in choices].count(1) >= 1 and [c[1] for c in choices].count(1) == 0
+
+
+def test_a_cost_per_drafting_sequence_buys_longer_drafts_than_the_same_cost_per_token():
+    """f, paid once a step by a sequence that drafts (a deferring drafter's forward over its committed tokens), is
+    spread over its draft: where it would hold a sequence to a short draft as a per-token cost, it buys a longer
+    one; far above what any draft returns, it holds the sequence at 0."""
+    per_token, per_seq, held = (policy_with(lambda rows: 0.020 + 0.0005 * rows, {i: 0.8 for i in range(8)})
+                                for _ in range(3))
+    per_token.costs.per_draft_token = 0.006
+    per_seq.costs.per_drafting_seq = 0.006
+    held.costs.per_drafting_seq = 1.0
+    short = per_token.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0]
+    longer = per_seq.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1)[0]
+    assert 0 < short < longer
+    assert held.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1) == [0]
+    costs = StepCosts()
+    costs.observe_drafting([[5, 6], [], [7]], 0.004, 0, deferred=0.010)
+    assert costs.per_drafting_seq == pytest.approx(0.005) and costs.per_draft_token == pytest.approx(0.004 / 3)
 
 
 def test_a_first_call_over_a_whole_prompt_does_not_price_the_draft_tokens():

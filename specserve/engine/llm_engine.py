@@ -210,7 +210,7 @@ class LLMEngine:
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
         deferred = self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
-        self.policy.costs.observe_drafter(sum(map(len, draft.token_ids)), drafted - start + deferred, num_catch_up)
+        self.policy.costs.observe_drafting(draft.token_ids, drafted - start, num_catch_up, deferred)
         for s in scheduled:
             self._register(s.seq)
             if s.completes_prompt and s.seq.request_id in self.parked:   # its prompt's blocks are registered now

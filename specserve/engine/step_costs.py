@@ -1,0 +1,99 @@
+"""The cost side of "auto" (engine/draft_policy.py): the target's forward-and-verify time T(R) over decode rows, the
+time s a row pays per cache slot it attends, P per prompt-chunk row, and the drafter's c per draft token, r per
+token caught up on and f per sequence that drafts (its forwards deferred past the step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TIME_RATE = 0.2                 # how far one measured step moves the cost table
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+CALIBRATION_SLOTS = 512         # the context of the rows that measure s
+SLOT_CALIBRATION_ROWS = 8
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """T(R) as a table over row counts (linear between points, beyond the last along its last slope), s and c."""
+    rows: np.ndarray = field(default_factory=lambda: np.array(CALIBRATION_ROWS, dtype=float))
+    seconds: np.ndarray | None = None
+    per_row_slot: float = 0.0
+    per_draft_token: float = 0.0
+    per_catch_up_token: float = 0.0
+    num_draft_samples: int = 0
+    # decayed [x x^T | x * seconds] of propose() calls, x = (draft tokens, caught-up tokens): c and r's fit
+    drafter_moments: np.ndarray = field(default_factory=lambda: np.zeros((2, 3)))
+    per_prompt_row: float = 0.0
+    num_prompt_samples: int = 0
+    per_drafting_seq: float = 0.0       # f
+    num_deferred_samples: int = 0
+
+    def target(self, rows: np.ndarray | float) -> np.ndarray:
+        x, y = self.rows, self.seconds
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        r = np.asarray(rows, dtype=float)
+        return np.where(r <= x[-1], np.interp(r, x, y), y[-1] + slope * (r - x[-1]))
+
+    def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float, decode_slots: int = 0) -> None:
+        """A measured target forward and verify: a decode-only one corrects T, one with prompt rows P."""
+        attention = self.per_row_slot * decode_slots
+        if prompt_rows == 0:
+            # less the attention s accounts for; an overestimated s cannot drive the table below half of it at once
+            self.observe_target(decode_rows, max(seconds - attention, 0.5 * float(self.target(decode_rows))))
+            return
+        residual = max(0.0, seconds - attention - (float(self.target(decode_rows)) if decode_rows else 0.0))
+        self.num_prompt_samples += 1
+        rate = max(TIME_RATE, 1 / self.num_prompt_samples)
+        self.per_prompt_row += rate * (residual / prompt_rows - self.per_prompt_row)
+
+    def observe_target(self, rows: int, seconds: float) -> None:
+        """Move the points around `rows` toward the measured time (multiplicatively, weighted by closeness)."""
+        if rows <= 0 or seconds <= 0:
+            return
+        ratio = seconds / float(self.target(rows))
+        i = int(np.searchsorted(self.rows, rows))
+        if i == 0 or i >= len(self.rows):
+            weights = {min(i, len(self.rows) - 1): 1.0}
+        else:
+            lo, hi = self.rows[i - 1], self.rows[i]
+            w = (rows - lo) / (hi - lo)
+            weights = {i - 1: 1 - w, i: w}
+        for j, w in weights.items():
+            self.seconds[j] *= ratio ** (TIME_RATE * w)
+        self.seconds = np.maximum.accumulate(self.seconds)     # more rows never cost less
+
+    def observe_drafter(self, num_tokens: int, seconds: float, num_catch_up: int = 0) -> None:
+        """A propose() call's time, ~ c * num_tokens + r * num_catch_up: c and r refitted (non-negative) over the
+        recent calls; r keeps its value while no recent call caught up on anything."""
+        if num_tokens <= 0:
+            return
+        self.num_draft_samples += 1
+        rate = max(TIME_RATE, 1 / self.num_draft_samples)
+        x = np.array([num_tokens, num_catch_up], dtype=float)
+        self.drafter_moments = (1 - rate) * self.drafter_moments + rate * np.outer(x, [*x, seconds])
+        (a, ab), (_, b) = self.drafter_moments[:, :2]
+        y = self.drafter_moments[:, 2]
+        det = a * b - ab * ab
+        c, r = ((y[0] * b - ab * y[1]) / det, (a * y[1] - ab * y[0]) / det) if det > 1e-6 * a * b else (-1.0, -1.0)
+        if c >= 0 and r >= 0:
+            self.per_draft_token, self.per_catch_up_token = c, r
+        elif ab > 0 and self.per_catch_up_token == 0:   # every call caught up: price tokens of either kind alike
+            self.per_draft_token = self.per_catch_up_token = (y[0] + y[1]) / (a + 2 * ab + b)
+        else:           # no catch-up to separate (or a fit below 0 in one term): the other term takes all of it
+            self.per_draft_token = max(0.0, y[0] - ab * self.per_catch_up_token) / a
+
+    def observe_deferred(self, num_seqs: int, seconds: float) -> None:
+        """A step's deferred drafter forwards (Proposer.on_target_forward: the committed tokens of the num_seqs
+        sequences that drafted, the first forward of their next draft): f, a running mean per such sequence."""
+        if num_seqs <= 0:
+            return
+        self.num_deferred_samples += 1
+        rate = max(TIME_RATE, 1 / self.num_deferred_samples)
+        self.per_drafting_seq += rate * (seconds / num_seqs - self.per_drafting_seq)
+
+    def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float) -> None:
+        """A step's drafter time: propose()'s `seconds` for its draft tokens and the num_catch_up tokens it caught up
+        on (c, r), and the `deferred` seconds of forwards after the step for the sequences that drafted (f)."""
+        self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up)
+        self.observe_deferred(sum(map(bool, token_ids)), deferred)
