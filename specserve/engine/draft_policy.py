@@ -7,39 +7,43 @@ accepted given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits 
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + c * sum_i k_i + r * sum_{i: k_i > 0} u_i / n_i,   R = decode rows (1 + k_i each)
+    S(k) = T(R) + s * L + c * sum_i k_i + sum_{i: k_i > 0} (f + r * u_i / n_i),   R = decode rows (1 + k_i each)
 
-where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row
-attends its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per slot, c
-the drafter's time per draft token, and r its time per token u_i it must catch up on before drafting for sequence i
-again (a drafter that skips sequences held at 0: EAGLE3's head and MTP's layers over the target's states they hold,
-a draft model over the tokens it has not seen; under load, a whole prompt), paid once, so spread over the n_i
-tokens the sequence may still generate. At a few hundred slots a context, s * L is most of what a verify row costs
-on a CPU (each decode row is attended on its own, so that its bits do not depend on its neighbours), and it grows
-with the batch's contexts, not with R alone. The prompt-chunk rows a step may also carry are left out of S: their
-time is spent whatever is drafted, and counting it would lower the step's ratio until every marginal draft token
-looked worth its verify row (under load most steps carry a new request's prompt: at 32 concurrent 256-token
-requests auto drafted 2.8 tokens a sequence where plain decoding was fastest). Maximising the ratio over the decode
-part is maximising E - lambda * S at the rate lambda decoding would reach alone, the renewal-reward view of a long
-run of steps. The policy picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so
-adding draft tokens in descending order of g per cost over the whole batch (a token's verify row, slots and draft,
-plus r * u_i / n_i spread over the sequence's cap) visits, for every total n, about the allocation with the most
-expected tokens at that cost; G is evaluated exactly at every n at once and the best n taken. Cheap verify rows and
-high acceptance give long chains; a large batch (T steep in R) with low acceptance gives 0.
+where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row attends
+its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per slot, c the
+drafter's time per draft token, f its time per sequence that drafts (EAGLE3's head and MTP's layers run over its
+committed tokens after the step, whatever the draft's length), and r its time per token u_i it must catch up on
+before drafting for sequence i again (a drafter that skips sequences held at 0: EAGLE3's head and MTP's layers over
+the target's states they hold, a draft model over the tokens it has not seen; under load, a whole prompt), paid
+once, so spread over the n_i tokens the sequence may still generate. At a few hundred slots a context, s * L is most
+of what a verify row costs on a CPU (each decode row is attended on its own, so that its bits do not depend on its
+neighbours), and it grows with the batch's contexts, not with R alone. The prompt-chunk rows a step may also carry
+are left out of S: their time is spent whatever is drafted, and counting it would lower the step's ratio until every
+marginal draft token looked worth its verify row (under load most steps carry a new request's prompt: at 32
+concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding was fastest). Maximising the
+ratio over the decode part is maximising E - lambda * S at the rate lambda decoding would reach alone, the
+renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k).
+Each g_ij falls with j, so adding draft tokens in descending order of g per cost over the whole batch (a token's
+verify row, slots and draft, plus f + r * u_i / n_i spread over the sequence's cap) visits, for every total n, about the
+allocation with the most expected tokens at that cost; G is evaluated exactly at every n at once and the best n
+taken. Cheap verify rows and high acceptance give long chains; a large batch (T steep in R) with low acceptance
+gives 0.
 
-Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
-decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row counts of
-one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up (`calibrate`); T is
-corrected after every decode-only step from its measured time less s * L; P (the time per prompt-chunk row, from
-steps with prompt rows, so that they do not skew T) a running mean of what such steps took beyond T and s * L; c and
-r a least-squares fit of a step's drafter time (propose() and the forwards it defers, `on_target_forward`) to its
-draft and caught-up tokens over recent steps (alike per token until a call without catch-up tells them apart: on
-draft tokens alone, a first call over a whole prompt priced drafting out). A sequence held at 0 drafts one token
-every PROBE_EVERY steps, so its estimate can recover (the explore step of a bandit); each probe in a row that lands
-nothing doubles the wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the
-whole context and a drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost
-several percent of plain decoding's speed. So a sequence probes only while its whole catch-up r * u_i costs no more
-than the probe's verify row: under load, probes made every sequence pay the drafter over its prompt.
+Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
+(itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
+counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
+(`calibrate`); T is corrected after every decode-only step from its measured time less s * L; P (the time per
+prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of what such steps took
+beyond T and s * L; c and r a least-squares fit of propose() times to its draft and caught-up tokens over recent
+steps (alike per token until a call without catch-up tells them apart: on draft tokens alone, a first call over a
+whole prompt priced drafting out); f a running mean of the forwards a deferring drafter runs after a step
+(`on_target_forward`) per sequence that drafted in it (as a per-token cost, it made every token after a sequence's
+first look as dear as the first). A sequence held at 0 drafts one token every PROBE_EVERY steps, so its estimate can
+recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY
+<< MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a drafter forward, which
+at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed. So
+a sequence probes only while its whole catch-up r * u_i costs no more than the probe's verify row: under load,
+probes made every sequence pay the drafter over its prompt.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
