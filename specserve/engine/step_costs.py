@@ -13,9 +13,14 @@ CALIBRATION_SLOTS = 512         # the context of the rows that measure s
 SLOT_CALIBRATION_ROWS = 8
 
 
+def warm_rate(count: int) -> float:
+    """How far the count-th observation moves a running estimate: the plain mean at first, then TIME_RATE."""
+    return max(TIME_RATE, 1 / count)
+
+
 @dataclass(slots=True)
 class StepCosts:
-    """T(R) as a table over row counts (linear between points, beyond the last along its last slope), s and c."""
+    """T(R) as a table over row counts (linear between points, beyond the last along its last slope), s, P, c, r, f."""
     rows: np.ndarray = field(default_factory=lambda: np.array(CALIBRATION_ROWS, dtype=float))
     seconds: np.ndarray | None = None
     per_row_slot: float = 0.0
@@ -44,7 +49,7 @@ class StepCosts:
             return
         residual = max(0.0, seconds - attention - (float(self.target(decode_rows)) if decode_rows else 0.0))
         self.num_prompt_samples += 1
-        rate = max(TIME_RATE, 1 / self.num_prompt_samples)
+        rate = warm_rate(self.num_prompt_samples)
         self.per_prompt_row += rate * (residual / prompt_rows - self.per_prompt_row)
 
     def observe_target(self, rows: int, seconds: float) -> None:
@@ -69,7 +74,7 @@ class StepCosts:
         if num_tokens <= 0:
             return
         self.num_draft_samples += 1
-        rate = max(TIME_RATE, 1 / self.num_draft_samples)
+        rate = warm_rate(self.num_draft_samples)
         x = np.array([num_tokens, num_catch_up], dtype=float)
         self.drafter_moments = (1 - rate) * self.drafter_moments + rate * np.outer(x, [*x, seconds])
         (a, ab), (_, b) = self.drafter_moments[:, :2]
@@ -89,7 +94,7 @@ class StepCosts:
         if num_seqs <= 0:
             return
         self.num_deferred_samples += 1
-        rate = max(TIME_RATE, 1 / self.num_deferred_samples)
+        rate = warm_rate(self.num_deferred_samples)
         self.per_drafting_seq += rate * (seconds / num_seqs - self.per_drafting_seq)
 
     def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float) -> None:
