@@ -171,6 +171,19 @@ def test_proposer_follows_growing_and_shrinking_sequences():
     assert proposer.propose([seq], [2]).token_ids == [[7, 8]]
 
 
+def test_draftable_is_the_lookups_length_and_propose_reuses_its_draft():
+    """The scheduler reserves draft slots for what the lookup finds, not for the k asked (an empty reservation took a
+    prompt token's slot for nothing), and propose() in the same step returns that draft, cut to the slots given."""
+    proposer = NgramProposer(use_cache=False)
+    seq, none = make_seq([1, 2, 3, 4, 5, 1, 2]), make_seq([9, 8, 7])
+    assert proposer.draftable(seq, 8) == 5 and proposer.draftable(none, 8) == 0
+    assert proposer.propose([seq], [3]).token_ids == [[3, 4, 5]]
+    assert proposer.draftable(seq, 2) == 2
+    seq.token_ids += [3]                                # the sequence moved on: looked up again, not the kept draft
+    assert proposer.propose([seq], [4]).token_ids == [[4, 5, 1, 2]]
+    assert proposer.draftable(seq, 1) == 1 and proposer.propose([seq], [3]).token_ids == [[4, 5, 1]]   # k past it
+
+
 def test_request_lookup_range_overrides_the_default():
     tokens = [1, 2, 3, 7, 8, 5, 3, 9, 4, 1, 2, 3]
     proposer = NgramProposer(use_cache=False)

@@ -159,6 +159,7 @@ class NgramProposer(Proposer):
         if use_cache:
             self.cache = cache if cache is not None else NgramCache()
         self._buffers: dict[int, TokenBuffer] = {}
+        self._ready: dict[int, tuple[int, int, list[int]]] = {}   # seq id -> (its length, k, draft): draftable()'s
 
     @classmethod
     def create(cls, path, ctx: DrafterContext) -> NgramProposer:
@@ -171,21 +172,33 @@ class NgramProposer(Proposer):
         settings = self.settings(params)
         return settings["prompt_lookup_min"], settings["prompt_lookup_max"]
 
+    def draftable(self, seq: Sequence, k: int) -> int:
+        """The lookup's length, its draft kept for propose() in the same step (the scheduler asks first)."""
+        draft = self.lookup(seq, k)
+        self._ready[seq.seq_id] = (len(seq.token_ids), k, draft)
+        return len(draft)
+
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         token_ids: list[list[int]] = []
         for seq, k in zip(seqs, num_draft_tokens):
-            min_n, max_n = self.lookup_range(seq.params)
-            buffer = self._buffers.get(seq.seq_id)
-            if buffer is None:
-                buffer = self._buffers[seq.seq_id] = TokenBuffer()
-            context = buffer.sync(seq.token_ids)
-            draft = find_ngram_draft(context, min_n, max_n, k).tolist()
-            if not draft and self.cache is not None:
-                draft = self.cache.draft(context, k)
-            token_ids.append(draft)
+            length, most, draft = self._ready.pop(seq.seq_id, (-1, 0, []))
+            token_ids.append(draft[:k] if length == len(seq.token_ids) and k <= most else self.lookup(seq, k))
         return Draft(token_ids=token_ids)
+
+    def lookup(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens: prompt lookup in the sequence's tokens, else the cross-request cache's chain."""
+        min_n, max_n = self.lookup_range(seq.params)
+        buffer = self._buffers.get(seq.seq_id)
+        if buffer is None:
+            buffer = self._buffers[seq.seq_id] = TokenBuffer()
+        context = buffer.sync(seq.token_ids)
+        draft = find_ngram_draft(context, min_n, max_n, k).tolist()
+        if not draft and self.cache is not None:
+            draft = self.cache.draft(context, k)
+        return draft
 
     def on_finished(self, seq: Sequence) -> None:
         self._buffers.pop(seq.seq_id, None)
+        self._ready.pop(seq.seq_id, None)
         if self.cache is not None and seq.finish_reason in NORMAL_FINISH_REASONS:
             self.cache.update(seq.token_ids)

@@ -1,7 +1,5 @@
-"""The proposer interface: every drafting method is one class implementing it.
-
-The engine loop (schedule, propose, verify, accept) never changes when a method is added.
-"""
+"""The proposer interface: every drafting method is one class implementing it. The engine loop (schedule, propose,
+verify, accept) never changes when a method is added."""
 from __future__ import annotations
 
 import time
@@ -50,14 +48,12 @@ class DrafterContext:
 class Draft:
     """One step's draft for a batch of sequences, from the proposer to verification.
 
-    token_ids[i] are the draft tokens of sequence i (possibly empty). For a chain, token j follows
-    token j-1; for a tree, parents[i][j] is the index of node j's parent in token_ids[i], -1 for a
-    child of the last committed token (the root). probs, when the drafter sampled its tokens, holds
-    q: probs[i, j] is the distribution node j was drawn from, over the target vocabulary
-    (shape [B, K, V], rows past len(token_ids[i]) unused). None means deterministic drafts
-    (verification treats them as one-hot q). trees[i] is the Tree of a tree-shaped row, None for a
-    chain; the engine derives it once per step (`for_batch`), a proposer leaves it unset.
-    """
+    token_ids[i] are the draft tokens of sequence i (possibly empty). For a chain, token j follows token j-1; for a
+    tree, parents[i][j] is the index of node j's parent in token_ids[i], -1 for a child of the last committed token
+    (the root). probs, when the drafter sampled its tokens, holds q: probs[i, j] is the distribution node j was drawn
+    from, over the target vocabulary (shape [B, K, V], rows past len(token_ids[i]) unused). None means deterministic
+    drafts (verification treats them as one-hot q). trees[i] is the Tree of a tree-shaped row, None for a chain; the
+    engine derives it once per step (`for_batch`), a proposer leaves it unset."""
     token_ids: list[list[int]]
     probs: torch.Tensor | None = None          # [B, K, V] float32
     parents: list[list[int] | None] | None = None   # tree drafts only
@@ -85,13 +81,10 @@ class Draft:
 
 @dataclass(slots=True)
 class TargetHidden:
-    """Hidden states of the target's last forward.
-
-    final holds the target's last hidden state after the final norm for every token of that
-    forward (flat, sequence after sequence); aux holds the residual stream entering each layer in
-    Proposer.aux_layers, in that order. rows[i] lists, in token order, the rows of sequence i whose
-    tokens were committed (a prompt chunk, or the last token plus the accepted draft tokens).
-    """
+    """Hidden states of the target's last forward: final holds the target's last hidden state after the final norm
+    for every token of that forward (flat, sequence after sequence); aux holds the residual stream entering each
+    layer in Proposer.aux_layers, in that order. rows[i] lists, in token order, the rows of sequence i whose tokens
+    were committed (a prompt chunk, or the last token plus the accepted draft tokens)."""
     final: torch.Tensor                        # [N, H]
     aux: list[torch.Tensor]                    # each [N, H]
     rows: list[list[int]]
@@ -270,6 +263,11 @@ class Proposer(ABC):
         """How many tokens a request drafts per step at most (its resolved num_assistant_tokens; the longest
         draft the engine's policy may choose for "auto")."""
         return AUTO_MAX_DRAFT_TOKENS if params.auto_draft else params.num_assistant_tokens or 0
+
+    def draftable(self, seq: Sequence, k: int) -> int:
+        """How many of k draft tokens propose() would return for seq now: k for a model, fewer where a lookup finds
+        fewer. The scheduler reserves that many slots (the rest go to prompt chunks), and "auto" weighs that many."""
+        return k
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:

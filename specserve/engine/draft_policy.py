@@ -32,7 +32,8 @@ gives 0.
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
 (itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
 counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
-(`calibrate`); T is corrected after every decode-only step from its measured time less s * L; P (the time per
+(`calibrate`); T's table is scaled, by one factor that keeps its shape, after every decode-only step toward its
+measured time less s * L; P (the time per
 prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of what such steps took
 beyond T and s * L; c and r a least-squares fit of propose() times to its draft and caught-up tokens over recent
 steps (alike per token until a call without catch-up tells them apart: on draft tokens alone, a first call over a

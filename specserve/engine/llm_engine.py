@@ -172,7 +172,7 @@ class LLMEngine:
         room = self.max_model_len - len(seq) - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(seq.num_assistant_tokens, room))
+        return self.proposer.draftable(seq, k) if (k := max(0, min(seq.num_assistant_tokens, room))) else 0
 
     def step(self) -> list[StepOutput]:
         choose = functools.partial(choose_draft_lengths, self.policy, catch_up=self.proposer.catch_up_tokens)
