@@ -83,6 +83,34 @@ def test_resume_keeps_finished_shards(recorded, monkeypatch):
     assert before == {p.name: p.stat().st_mtime_ns for p in recorded.out.glob("shard_*.safetensors")}
 
 
+def test_more_answers_per_prompt_are_sampled_rounds(tmp_path, monkeypatch):
+    """Round r answers every prompt once more; only the first round has greedy answers (every third prompt
+    sampled, as with one answer), so no greedy answer repeats; each answer has its own seed."""
+    cfg = DataConfig(target=demo_model_dir(), out=tmp_path, counts=PromptCounts(2, 1, 1, 0, 1), max_tokens=6,
+                     chunk_size=4, top_k=4, answers_per_prompt=3)
+    seen = []
+    real = data_module.generate_answers
+    monkeypatch.setattr(data_module, "generate_answers", lambda llm, prompts, offset, n, c:
+                        seen.append((prompts, offset, n)) or real(llm, prompts, offset, n, c))
+    summary = run_data(cfg)
+    num = summary["num_prompts"]
+    assert num == 15 and summary["answers_per_prompt"] == 3 and all(n == 5 for _, _, n in seen)
+    order = [p.source for prompts, _, _ in seen for p in prompts]
+    assert order[:5] == order[5:10] == order[10:]
+    temperatures = [data_module.answer_temperature(i, 5, cfg) for i in range(15)]
+    assert temperatures[:5] == [0.0, 0.0, 0.7, 0.0, 0.0] and set(temperatures[5:]) == {0.7}
+    data = load_conversations(tmp_path)
+    assert data.num_tokens == summary["tokens"] and len(data.seq_starts) == 16
+
+
+def test_loading_can_leave_out_the_states_a_trainer_does_not_read(recorded):
+    full = load_conversations(recorded.out)
+    lean = load_conversations(recorded.out, skip=("aux", "final"))
+    assert lean.aux.numel() == 0 and lean.final.numel() == 0
+    for name in ("input_ids", "topk_ids", "topk_logits", "trainable", "seq_starts"):
+        assert torch.equal(getattr(lean, name), getattr(full, name))
+
+
 def test_draft_vocabulary_is_the_most_predicted_tokens(recorded):
     data = load_conversations(recorded.out)
     vocab = frequent_tokens(data, 16, 4096)

@@ -113,5 +113,6 @@ def unpacked_state_dict(model: nn.Module, packed: dict[str, tuple[str, int]]) ->
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path, dtype: torch.dtype | None = None) -> None:
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous() for k, v in state_dict.items()}
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in state_dict.items()}
     save_file(tensors, str(path), metadata={"format": "pt"})

@@ -21,6 +21,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.eagle3 import resolve_aux_layers
 from specserve.models.registry import load_model
 from specserve.train.checkpoint import load_state, save_state
+from specserve.train.trainer import add_device_argument
 from specserve.train.prompts import Prompt, PromptCounts, build_prompts, read_jsonl, write_jsonl
 
 SAMPLED_TEMPERATURE = 0.7
@@ -39,6 +40,9 @@ class DataConfig:
     max_batch_tokens: int = 2048          # tokens per forward of the recording pass
     seed: int = 0
     resume: bool = False
+    answers_per_prompt: int = 1           # answers past the first are all sampled (at 0.7, each its own seed)
+    device: str = "cpu"                   # where the target generates and records ("cuda" on a GPU)
+    kv_cache_memory_gb: float = 2.0
 
 
 @dataclass(slots=True)
@@ -74,6 +78,7 @@ def run_data(cfg: DataConfig) -> dict:
     summary_path = cfg.out / "training_summary.json"
     summary = json.loads(summary_path.read_text()) if cfg.resume and summary_path.exists() else {
         "target": str(cfg.target), "shards": {}, "generate_seconds": 0.0, "record_seconds": 0.0}
+    train = train * cfg.answers_per_prompt      # round after round, so a time-limited run covers every prompt first
     chunks = [train[i:i + cfg.chunk_size] for i in range(0, len(train), cfg.chunk_size)]
     start = time.monotonic()
     llm, target = None, None
@@ -87,11 +92,12 @@ def run_data(cfg: DataConfig) -> dict:
             break
         if llm is None:
             from specserve.llm import LLM
-            llm = LLM(str(cfg.target), speculative_method="none", max_num_seqs=cfg.chunk_size, kv_cache_memory_gb=2.0)
-            target = load_model(cfg.target, torch.bfloat16, "cpu", target_config).requires_grad_(False)
+            llm = LLM(str(cfg.target), speculative_method="none", max_num_seqs=cfg.chunk_size,
+                      kv_cache_memory_gb=cfg.kv_cache_memory_gb, device=cfg.device)
+            target = load_model(cfg.target, torch.bfloat16, cfg.device, target_config).requires_grad_(False)
         offset = index * cfg.chunk_size
         t0 = time.monotonic()
-        conversations, temperatures = generate_answers(llm, chunks[index], offset, cfg)
+        conversations, temperatures = generate_answers(llm, chunks[index], offset, len(train) // cfg.answers_per_prompt, cfg)
         t1 = time.monotonic()
         shard = record_states(target, aux_layers, conversations, cfg)
         shard["temperature"] = torch.tensor(temperatures)
@@ -114,11 +120,21 @@ def write_summary(path: Path, summary: dict, cfg: DataConfig) -> None:
                 "answer_tokens": sum(s["answer_tokens"] for s in shards),
                 "minutes": (summary["generate_seconds"] + summary["record_seconds"]) / 60,
                 "max_tokens": cfg.max_tokens, "sampled_temperature": SAMPLED_TEMPERATURE,
-                "sampled_every": cfg.sampled_every, "top_k": cfg.top_k, "seed": cfg.seed}
+                "sampled_every": cfg.sampled_every, "answers_per_prompt": cfg.answers_per_prompt, "top_k": cfg.top_k,
+                "seed": cfg.seed}
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def generate_answers(llm, prompts: list[Prompt], offset: int, cfg: DataConfig) -> tuple[list[tuple[list[int], int]], list[float]]:
+def answer_temperature(index: int, num_prompts: int, cfg: DataConfig) -> float:
+    """Answer `index` of the expanded list (round index // num_prompts): in the first round every
+    sampled_every-th prompt is sampled and the others are greedy; later rounds are all sampled."""
+    first_round = index < num_prompts
+    greedy = first_round and index % cfg.sampled_every != cfg.sampled_every - 1
+    return 0.0 if greedy else SAMPLED_TEMPERATURE
+
+
+def generate_answers(llm, prompts: list[Prompt], offset: int, num_prompts: int,
+                     cfg: DataConfig) -> tuple[list[tuple[list[int], int]], list[float]]:
     """(conversation ids, number of prompt tokens) per prompt, answered in one engine batch; the answer keeps
     its end-of-turn token, so drafters learn where a turn ends."""
     from specserve.sampling_params import SamplingParams
@@ -128,7 +144,7 @@ def generate_answers(llm, prompts: list[Prompt], offset: int, cfg: DataConfig) -
     for i, p in enumerate(prompts):
         text = tok.apply_chat_template(normalize_messages([{"role": "user", "content": p.text}]), add_generation_prompt=True)
         ids.append(tok.encode(text, add_special_tokens=False))
-        temperature = SAMPLED_TEMPERATURE if (offset + i) % cfg.sampled_every == cfg.sampled_every - 1 else 0.0
+        temperature = answer_temperature(offset + i, num_prompts, cfg)
         temperatures.append(temperature)
         params.append(SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, seed=cfg.seed + offset + i))
     outputs = llm.generate(ids, params)
@@ -149,14 +165,15 @@ def record_states(target: torch.nn.Module, aux_layers: tuple[int, ...], conversa
         batch = torch.zeros(len(group), length, dtype=torch.long)
         for row, i in enumerate(group):
             batch[row, :len(conversations[i][0])] = torch.tensor(conversations[i][0])
-        final, aux = target(batch, torch.arange(length), None, aux_layers)
-        logits = target.compute_logits(final)
-        top = logits.topk(cfg.top_k, dim=-1)
+        batch = batch.to(cfg.device)
+        final, aux = target(batch, torch.arange(length, device=batch.device), None, aux_layers)
+        top = target.compute_logits(final).topk(cfg.top_k, dim=-1)
+        final, aux, top = final.cpu(), [a.cpu() for a in aux], (top.values.cpu(), top.indices.cpu())
         for row, i in enumerate(group):
             n = len(conversations[i][0])
             rows[i] = {"aux": torch.cat([a[row, :n] for a in aux], dim=-1).to(torch.bfloat16),
-                       "final": final[row, :n].to(torch.bfloat16), "topk_ids": top.indices[row, :n].to(torch.int32),
-                       "topk_logits": top.values[row, :n].to(torch.bfloat16)}
+                       "final": final[row, :n].to(torch.bfloat16), "topk_ids": top[1][row, :n].to(torch.int32),
+                       "topk_logits": top[0][row, :n].to(torch.bfloat16)}
         group.clear()
 
     for i in order:
@@ -174,17 +191,21 @@ def record_states(target: torch.nn.Module, aux_layers: tuple[int, ...], conversa
     return shard
 
 
-def load_conversations(data_dir: Path, max_shards: int | None = None) -> Conversations:
-    """Every finished shard of a data folder, concatenated."""
+def load_conversations(data_dir: Path, max_shards: int | None = None, device: str = "cpu",
+                       skip: tuple[str, ...] = ()) -> Conversations:
+    """Every finished shard of a data folder, concatenated on `device` (each shard moved there as it is read);
+    the states named in `skip` ("aux", "final") are left out (empty), for trainers that do not read them."""
     summary = json.loads((data_dir / "training_summary.json").read_text())
     indices = sorted(int(i) for i in summary["shards"])[:max_shards]
     if not indices:
         raise ValueError(f"{data_dir} holds no finished data shard: run `specserve train data` first")
-    shards = [load_state(shard_path(data_dir, i)) for i in indices]
+    on_device = lambda s: {k: (v[:0] if k in skip else v).to(device) if isinstance(v, torch.Tensor) else v
+                           for k, v in s.items()}
+    shards = [on_device(load_state(shard_path(data_dir, i))) for i in indices]
     lengths = torch.cat([s["lengths"] for s in shards])
     num_prompt = torch.cat([s["num_prompt_tokens"] for s in shards])
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    trainable = torch.zeros(int(starts[-1]), dtype=torch.bool)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), lengths.cumsum(0)])
+    trainable = torch.zeros(int(starts[-1]), dtype=torch.bool, device=device)
     for s, n, length in zip(starts[:-1].tolist(), num_prompt.tolist(), lengths.tolist()):
         trainable[s + n - 1:s + length - 1] = True     # positions whose next token is an answer token
     cat = lambda name: torch.cat([s[name] for s in shards])
@@ -208,6 +229,12 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--minutes", type=float, default=None, help="start no new shard after this many minutes")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="keep finished shards")
+    p.add_argument("--answers-per-prompt", type=int, default=d.answers_per_prompt,
+                   help="answers recorded per prompt; those past the first are sampled at 0.7, each with its own seed")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="tokens per forward of the pass that records the target's states")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    add_device_argument(p)
     p.set_defaults(func=run_data_command)
 
 
@@ -220,11 +247,13 @@ def run_data_command(args: argparse.Namespace) -> None:
     counts = PromptCounts(args.num_math, args.num_code, args.num_explain, args.num_question, args.num_prose)
     cfg = DataConfig(target=args.target or default_target(), out=args.out, counts=counts, max_tokens=args.max_tokens,
                      chunk_size=args.chunk_size, top_k=args.top_k, minutes=args.minutes, seed=args.seed,
-                     resume=args.resume)
+                     resume=args.resume, answers_per_prompt=args.answers_per_prompt,
+                     max_batch_tokens=args.max_batch_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                     device=args.device)
     print(json.dumps(run_data(cfg), indent=2))
 
 
 def segment_ids(data: Conversations) -> torch.Tensor:
     """[N] int64: the conversation each token belongs to."""
     lengths = data.seq_starts[1:] - data.seq_starts[:-1]
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)

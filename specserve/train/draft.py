@@ -25,7 +25,7 @@ from specserve.models.loader import save_safetensors, unpacked_state_dict
 from specserve.models.registry import load_model, parse_dtype
 from specserve.train.data import Conversations, load_conversations
 from specserve.train.lm import DTYPE_NAMES, num_params
-from specserve.train.trainer import StageConfig, continued_from, train_stage
+from specserve.train.trainer import StageConfig, add_device_argument, continued_from, train_stage
 from specserve.train.token_map import DEFAULT_TOKEN_MAP_SIZE, write_data_token_map
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -53,6 +53,7 @@ class DraftTrainConfig:
     resume: bool = False
     init: Path | None = None              # a saved draft model to continue training (its shape, not the flags')
     token_map_size: int = DEFAULT_TOKEN_MAP_SIZE   # token_map.json beside the weights (0: none)
+    device: str = "cpu"
 
 
 def draft_config(cfg: DraftTrainConfig, target: ModelConfig) -> dict:
@@ -89,7 +90,7 @@ def distill_loss(draft: nn.Module, data: Conversations, rows: torch.Tensor, prom
     """Cross-entropy of the draft against the target's top-k distribution (renormalised) after each token of
     windows rows [B, T + 1] of the recorded conversations."""
     rows = rows[:, :-1]
-    hidden, _ = draft(data.input_ids[rows], torch.arange(rows.shape[1]))
+    hidden, _ = draft(data.input_ids[rows], torch.arange(rows.shape[1], device=rows.device))
     log_q = F.log_softmax(draft.compute_logits(hidden).float(), dim=-1)             # [B, T, V]
     p = torch.softmax(data.topk_logits[rows], dim=-1)                               # [B, T, K]
     ce = -(p * log_q.gather(-1, data.topk_ids[rows])).sum(-1)                       # [B, T]
@@ -101,7 +102,7 @@ def distill_loss(draft: nn.Module, data: Conversations, rows: torch.Tensor, prom
 def greedy_agreement(draft: nn.Module, data: Conversations, rows: torch.Tensor) -> float:
     """How often the draft's argmax equals the target's at answer positions of the given windows."""
     rows = rows[:, :-1]
-    hidden, _ = draft(data.input_ids[rows], torch.arange(rows.shape[1]))
+    hidden, _ = draft(data.input_ids[rows], torch.arange(rows.shape[1], device=rows.device))
     same = draft.compute_logits(hidden).argmax(-1) == data.topk_ids[rows, 0]
     mask = data.trainable[rows]
     return float(same[mask].float().mean()) if mask.any() else float("nan")
@@ -119,16 +120,17 @@ def save_draft(draft: nn.Module, config: dict, target_dir: Path, out: Path) -> N
 
 def run_draft_training(cfg: DraftTrainConfig) -> dict:
     target_config = ModelConfig.from_pretrained(cfg.target)
-    target = load_model(cfg.target, torch.float32, "cpu", target_config)
-    data = load_conversations(cfg.data)
+    target = load_model(cfg.target, torch.float32, cfg.device, target_config)
+    data = load_conversations(cfg.data, device=cfg.device, skip=("aux", "final"))
     if cfg.init is None:
         config = draft_config(cfg, target_config)
-        draft = new_draft(config, target, cfg.seed)
+        draft = new_draft(config, target, cfg.seed).to(cfg.device)
     else:
         config = json.loads((cfg.init / "config.json").read_text())
-        draft = load_model(cfg.init, torch.float32, "cpu").requires_grad_(True)
+        draft = load_model(cfg.init, torch.float32, cfg.device).requires_grad_(True)
     del target
-    stage = StageConfig("draft", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
+    stage = StageConfig("draft", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed,
+                        device=cfg.device)
     rows = torch.arange(data.num_tokens, dtype=torch.int32)
     state = train_stage(stage, draft, lambda batch: distill_loss(draft, data, batch, cfg.prompt_weight), rows,
                         cfg.out / ".ckpt" / "draft.safetensors", cfg.resume)
@@ -168,6 +170,7 @@ def add_draft_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="continue training the draft model saved in this folder (its shape replaces the size flags)")
     p.add_argument("--token-map-size", type=int, default=d.token_map_size,
                    help="write token_map.json: the draft model scores this many of the data's most predicted tokens (0: all)")
+    add_device_argument(p)
     p.set_defaults(func=run_draft_command)
 
 
@@ -179,5 +182,5 @@ def run_draft_command(args: argparse.Namespace) -> None:
                            head_dim=args.head_dim, minutes=args.minutes, max_steps=args.max_steps,
                            batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                            prompt_weight=args.prompt_weight, dtype=parse_dtype(args.dtype), seed=args.seed,
-                           resume=args.resume, init=args.init, token_map_size=args.token_map_size)
+                           resume=args.resume, init=args.init, token_map_size=args.token_map_size, device=args.device)
     print(json.dumps(run_draft_training(cfg), indent=2))

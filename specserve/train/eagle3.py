@@ -30,7 +30,7 @@ from specserve.train.checkpoint import load_state, save_state
 from specserve.train.corpus import Corpus, default_sources, read_source
 from specserve.train.data import Conversations, load_conversations, segment_ids
 from specserve.train.demo import chat_texts
-from specserve.train.trainer import StageConfig, continued_from, sample_batch, train_stage
+from specserve.train.trainer import StageConfig, add_device_argument, continued_from, sample_batch, train_stage
 from specserve.train.token_map import frequent_tokens, ranked_tokens
 
 
@@ -61,6 +61,7 @@ class Eagle3TrainConfig:
     resume: bool = False
     data: Path | None = None                # recorded conversations (`specserve train data`) instead of a corpus
     prompt_weight: float = 0.3              # with data: loss weight of a prompt position (answer positions: 1)
+    device: str = "cpu"
 
     @property
     def out_dir(self) -> Path:
@@ -71,8 +72,8 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
     ckpt = cfg.out_dir / ".ckpt"
     ckpt.mkdir(parents=True, exist_ok=True)
     target_config = ModelConfig.from_pretrained(cfg.target)
-    target = load_model(cfg.target, torch.float32, "cpu", target_config).requires_grad_(False)
-    data = load_conversations(cfg.data) if cfg.data is not None else None
+    target = load_model(cfg.target, torch.float32, cfg.device, target_config).requires_grad_(False)
+    data = load_conversations(cfg.data, device=cfg.device) if cfg.data is not None else None
     tokens = corpus_tokens(cfg, target_config) if data is None else torch.arange(data.num_tokens, dtype=torch.int32)
     if cfg.init is None:
         layers = resolve_aux_layers(None if cfg.layers is None else list(cfg.layers), target_config.num_hidden_layers)
@@ -85,17 +86,20 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
                                               target_config.vocab_size)
         head = new_head(cfg, target, target_config, draft_ids)
     else:   # continue training a saved head: its layers and draft vocabulary
-        head = load_eagle3_head(cfg.init, target.model.embed_tokens, target_config, torch.float32, "cpu",
+        head = load_eagle3_head(cfg.init, target.model.embed_tokens, target_config, torch.float32, cfg.device,
                                 cfg.seq_len + cfg.ttt_steps + 1).requires_grad_(True)
         head.embed_tokens.requires_grad_(False)
         layers = resolve_aux_layers(head.config.aux_layer_ids, target_config.num_hidden_layers)
-        draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size))
+        draft_ids = head.target_ids(torch.arange(head.config.draft_vocab_size, device=cfg.device)).cpu()
         if data is not None and cfg.draft_vocab_size is not None and cfg.draft_vocab_size != len(draft_ids):
             draft_ids = resize_draft_vocabulary(head, target, draft_ids, ranked_tokens(data, target_config.vocab_size),
                                                 min(cfg.draft_vocab_size, target_config.vocab_size))
-    stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
+    head = head.to(cfg.device)
+    stage = StageConfig("eagle3", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed,
+                        device=cfg.device)
     draft_index = torch.full((target_config.vocab_size,), -1, dtype=torch.int64)
     draft_index[draft_ids] = torch.arange(len(draft_ids))
+    draft_index = draft_index.to(cfg.device)
     if data is None:
         loss_fn = lambda batch: ttt_loss(head, target, layers, draft_index, batch, cfg)
     else:
@@ -103,7 +107,7 @@ def run_eagle3_training(cfg: Eagle3TrainConfig) -> dict:
         loss_fn = lambda rows: stored_ttt_loss(head, data, segments, draft_index, draft_weight, rows, cfg)
     state = train_stage(stage, head, loss_fn, tokens, ckpt / "head.safetensors", cfg.resume)
     t2d = draft_index >= 0
-    save_eagle3_head(head, cfg.out_dir, cfg.dtype, t2d)
+    save_eagle3_head(head.cpu(), cfg.out_dir, cfg.dtype, t2d.cpu())
     summary = {"target": str(cfg.target), "target_layers_read": list(layers), "draft_vocab_size": len(draft_ids),
                "train_tokens": len(tokens), "steps": state.step, "seconds": state.seconds,
                "minutes": state.seconds / 60, "ttt_steps": cfg.ttt_steps,
@@ -156,7 +160,7 @@ def corpus_tokens(cfg: Eagle3TrainConfig, target_config: ModelConfig) -> torch.T
 def target_states(target: nn.Module, layers: tuple[int, ...], batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The concatenated states the head reads [B, T, 3H] and the target's next-token logits [B, T, V]."""
     aux_layers = tuple(sorted(set(layers)))
-    final, aux = target(batch, torch.arange(batch.shape[1]), None, aux_layers)
+    final, aux = target(batch, torch.arange(batch.shape[1], device=batch.device), None, aux_layers)
     states = torch.cat([aux[aux_layers.index(i)] for i in sorted(layers)], dim=-1)
     return states, target.compute_logits(final).float()
 
@@ -172,8 +176,8 @@ def draft_vocabulary(cfg: Eagle3TrainConfig, target: nn.Module, layers: tuple[in
     num_batches = max(1, cfg.vocab_tokens // (cfg.batch_size * cfg.seq_len))
     for step in tqdm(range(num_batches), desc="draft vocabulary", dynamic_ncols=True, mininterval=5.0):
         batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 7, step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, logits = target_states(target, layers, batch)
+        with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16):
+            _, logits = target_states(target, layers, batch.to(cfg.device))
         counts.update(logits.argmax(-1).flatten().tolist())
     corpus = torch.bincount(tokens.long(), minlength=target.config.vocab_size).tolist()
     ranked = sorted(range(target.config.vocab_size), key=lambda t: (-counts.get(t, 0), -corpus[t], t))
@@ -228,10 +232,10 @@ def resize_draft_vocabulary(head: Eagle3Head, target: nn.Module, draft_ids: torc
     old_row = {t: i for i, t in enumerate(draft_ids.tolist())}
     old = head.lm_head.weight.detach()
     rows = [old[old_row[t]] if t in old_row else target.output_weight[t].to(old.dtype) for t in merged.tolist()]
-    head.lm_head = nn.Linear(old.shape[1], len(merged), bias=False)
+    head.lm_head = nn.Linear(old.shape[1], len(merged), bias=False, device=old.device)
     with torch.no_grad():
         head.lm_head.weight.copy_(torch.stack(rows))
-    head.d2t = merged - torch.arange(len(merged))
+    head.d2t = (merged - torch.arange(len(merged))).to(old.device)
     head.config.draft_vocab_size = len(merged)
     return merged
 
@@ -275,7 +279,7 @@ def unrolled_loss(head: Eagle3Head, batch: torch.Tensor, states: torch.Tensor, p
         if segment is not None:
             same = torch.cat([segment[:, s + 1:] == segment[:, :T - s], segment.new_zeros(B, s, dtype=torch.bool)], dim=1)
             w_s = w_s * same
-        hidden, kv = head.forward_unrolled(tokens, hidden, torch.arange(T) + s, earlier)
+        hidden, kv = head.forward_unrolled(tokens, hidden, torch.arange(T, device=batch.device) + s, earlier)
         earlier.append(kv)
         log_q = torch.log_softmax(head.draft_logits(hidden).float(), dim=-1)
         loss = (-(p_s * log_q).sum(-1) * w_s).sum() / w_s.sum().clamp_min(1.0)
@@ -316,6 +320,7 @@ def add_eagle3_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="train on the conversations recorded by `specserve train data` instead of a corpus")
     p.add_argument("--prompt-weight", type=float, default=d.prompt_weight,
                    help="with --data: loss weight of prompt positions (answer positions weigh 1)")
+    add_device_argument(p)
     p.set_defaults(func=run_eagle3_command)
 
 
@@ -334,7 +339,7 @@ def run_eagle3_command(args: argparse.Namespace) -> None:
                             seq_len=args.seq_len, lr=args.lr,
                             vocab_tokens=args.vocab_tokens, max_corpus_mb=args.max_corpus_mb,
                             dtype=parse_dtype(args.dtype), seed=args.seed, resume=args.resume,
-                            data=args.data, prompt_weight=args.prompt_weight)
+                            data=args.data, prompt_weight=args.prompt_weight, device=args.device)
     if args.corpus:
         cfg.sources = args.corpus
     print(json.dumps(run_eagle3_training(cfg), indent=2))

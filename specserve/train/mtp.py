@@ -24,7 +24,7 @@ from specserve.train import evaluate
 from specserve.train.corpus import Corpus, build_corpus, default_sources, split_file
 from specserve.train.data import Conversations, load_conversations
 from specserve.train.demo import chat_texts, encode_documents
-from specserve.train.trainer import StageConfig, continued_from, train_stage
+from specserve.train.trainer import StageConfig, add_device_argument, continued_from, train_stage
 from specserve.train.token_map import DEFAULT_TOKEN_MAP_SIZE, write_data_token_map
 
 
@@ -42,6 +42,7 @@ class MTPTrainConfig:
     sources: list[Path] = field(default_factory=default_sources)
     max_corpus_mb: float = 8.0
     heldout_fraction: float = 0.03        # the demo trainer's: the same documents are held out
+    device: str = "cpu"
     chat_fraction: float = 0.05
     eval_windows: int = 32
     dtype: torch.dtype = torch.bfloat16
@@ -70,7 +71,7 @@ def mtp_outputs(mtp: MultiTokenPredictor, target: torch.nn.Module, input_ids: to
     """Target logits [B, T, V] (no grad) and each MTP layer's logits, cache-free over whole windows, then
     reuse_steps more of the last layer reading its own output (as drafting past N does, though there
     only the last slots read it)."""
-    positions = torch.arange(input_ids.shape[1])
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     with torch.no_grad():
         hidden, _ = target(input_ids, positions)                                  # [B, T, H]
         target_logits = target.compute_logits(hidden).float()
@@ -89,7 +90,7 @@ def stored_mtp_loss(mtp: MultiTokenPredictor, target: torch.nn.Module, data: Con
     """mtp_loss on windows rows [B, T + 1] of recorded conversations: the target's final states are the
     recorded ones, its next-token distribution the recorded top-k, renormalised (cross-entropy)."""
     rows = rows[:, :-1]
-    positions = torch.arange(rows.shape[1])
+    positions = torch.arange(rows.shape[1], device=rows.device)
     with torch.no_grad():
         hidden = data.final[rows].float()
         embeds = target.model.embed_tokens(data.input_ids[rows])
@@ -123,6 +124,7 @@ def agreement(mtp: MultiTokenPredictor, target: torch.nn.Module, windows: torch.
     the same slot."""
     same, count = [0.0] * (mtp.num_layers + reuse_steps), 0
     for chunk in windows.split(8):
+        chunk = chunk.to(target.model.embed_tokens.weight.device)
         target_logits, logits = mtp_outputs(mtp, target, chunk[:, :-1], reuse_steps)
         top = target_logits.argmax(-1)
         for layer, q in enumerate(logits):
@@ -148,18 +150,19 @@ def training_tokens(cfg: MTPTrainConfig, tokenizer: Tokenizer) -> tuple[torch.Te
 
 def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     out_dir = cfg.out or cfg.target
-    target = load_model(cfg.target, torch.float32).requires_grad_(False)
+    target = load_model(cfg.target, torch.float32, cfg.device).requires_grad_(False)
     if cfg.init is None:
-        mtp = init_mtp(target, cfg.num_layers, cfg.seed)
+        mtp = init_mtp(target, cfg.num_layers, cfg.seed).to(cfg.device)
     else:
-        mtp = load_mtp(cfg.init, target.config).requires_grad_(True).train()
+        mtp = load_mtp(cfg.init, target.config, device=cfg.device).requires_grad_(True).train()
         cfg.num_layers = mtp.num_layers
-    stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed)
+    stage = StageConfig("mtp", cfg.minutes, cfg.max_steps, cfg.batch_size, cfg.seq_len, cfg.lr, seed=cfg.seed,
+                        device=cfg.device)
     if cfg.data is None:
         tokens, heldout = training_tokens(cfg, Tokenizer.from_file(str(cfg.target / "tokenizer.json")))
         loss_fn = lambda batch: mtp_loss(mtp, target, batch, cfg.reuse_steps)
     else:
-        data, heldout = load_conversations(cfg.data), None
+        data, heldout = load_conversations(cfg.data, device=cfg.device, skip=("aux",)), None
         tokens = torch.arange(data.num_tokens, dtype=torch.int32)
         loss_fn = lambda rows: stored_mtp_loss(mtp, target, data, rows, cfg.reuse_steps, cfg.prompt_weight)
     state = train_stage(stage, mtp, loss_fn, tokens, out_dir / ".ckpt" / "mtp.safetensors", cfg.resume)
@@ -168,7 +171,7 @@ def run_mtp_training(cfg: MTPTrainConfig) -> dict:
     else:
         save_mtp_folder(mtp, cfg.target, cfg.out, cfg.dtype)
     # measured on the shipped weights, loaded back as the server loads them
-    shipped = load_mtp(out_dir, target.config)
+    shipped = load_mtp(out_dir, target.config, device=cfg.device)
     summary = {"num_layers": cfg.num_layers, "reuse_steps": cfg.reuse_steps, "steps": state.step,
                "train_seconds": state.seconds, "minutes": state.seconds / 60, "train_tokens": len(tokens),
                "tokens_per_step": cfg.batch_size * cfg.seq_len,
@@ -221,6 +224,7 @@ def add_mtp_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--token-map-size", type=int, default=defaults.token_map_size,
                    help="with --data: write token_map.json, the layers then score this many of the data's most "
                         "predicted tokens (0: all)")
+    add_device_argument(p)
     p.set_defaults(func=run_mtp_command)
 
 
@@ -233,7 +237,7 @@ def run_mtp_command(args: argparse.Namespace) -> None:
                          reuse_steps=args.reuse_steps,
                          max_corpus_mb=args.max_corpus_mb, dtype=parse_dtype(args.dtype), seed=args.seed,
                          resume=args.resume, data=args.data, prompt_weight=args.prompt_weight, init=args.init,
-                         token_map_size=args.token_map_size)
+                         token_map_size=args.token_map_size, device=args.device)
     if args.corpus:
         cfg.sources = args.corpus
     start = time.monotonic()

@@ -20,9 +20,9 @@ def ranked_tokens(data: Conversations, vocab_size: int) -> list[int]:
     """Every token, the ones the target predicts most often (its argmax) over the recorded conversations first,
     answer positions counted twice; ties broken by how often the token occurs in the text, then by id."""
     top1 = data.topk_ids[:, 0]
-    predicted = torch.bincount(top1, minlength=vocab_size) + torch.bincount(top1[data.trainable], minlength=vocab_size)
-    occurs = torch.bincount(data.input_ids, minlength=vocab_size)
-    return sorted(range(vocab_size), key=lambda t: (-int(predicted[t]), -int(occurs[t]), t))
+    predicted = (torch.bincount(top1, minlength=vocab_size) + torch.bincount(top1[data.trainable], minlength=vocab_size)).tolist()
+    occurs = torch.bincount(data.input_ids, minlength=vocab_size).tolist()
+    return sorted(range(vocab_size), key=lambda t: (-predicted[t], -occurs[t], t))
 
 
 def frequent_tokens(data: Conversations, size: int, vocab_size: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ def answer_coverage(data: Conversations, ids: torch.Tensor, vocab_size: int) -> 
     """The fraction of answer positions whose target argmax is among `ids`."""
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[ids] = True
-    return inside[data.topk_ids[data.trainable, 0]].float().mean().item()
+    return inside[data.topk_ids[data.trainable, 0].cpu()].float().mean().item()
 
 
 def write_data_token_map(data: Conversations, size: int, vocab_size: int, folder: Path) -> dict:

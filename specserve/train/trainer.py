@@ -49,6 +49,7 @@ class StageConfig:
     bf16: bool = True                  # bf16 autocast: about 2x the tokens/s of fp32 on these CPUs
     seed: int = 0
     checkpoint_minutes: float = 3.0
+    device: str = "cpu"                # where the model and its batches live ("cuda" on a GPU)
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ def make_optimizer(model: nn.Module, cfg: StageConfig) -> torch.optim.AdamW:
 
 
 def autocast(cfg: StageConfig):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+    return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
 
 
 def optimizer_step(cfg: StageConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -137,7 +138,8 @@ def train_stage(cfg: StageConfig, model: nn.Module, loss_fn: Callable[[torch.Ten
             return state
         print(f"[{cfg.name}] resuming at step {state.step} ({state.seconds / 60:.1f} min done)", file=sys.stderr)
     budget = cfg.minutes * 60
-    threads = ThreadChooser(options=tuple(sorted({1, os.cpu_count() or 1})))
+    on_cpu = torch.device(cfg.device).type == "cpu"
+    threads = ThreadChooser(options=tuple(sorted({1, os.cpu_count() or 1})) if on_cpu else (torch.get_num_threads(),))
     recent: deque[float] = deque(maxlen=RECENT_STEPS)
     last_replan = last_checkpoint = time.monotonic()
     bar = tqdm(desc=cfg.name, total=state.planned_steps or None, initial=state.step, dynamic_ncols=True,
@@ -149,7 +151,7 @@ def train_stage(cfg: StageConfig, model: nn.Module, loss_fn: Callable[[torch.Ten
         torch.set_num_threads(num_threads)
         start = time.monotonic()
         lr = learning_rate(cfg, state.step, state.progress, state.planned_steps)
-        batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, state.step)
+        batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, state.step).to(cfg.device)
         state.losses.append(optimizer_step(cfg, model, optimizer, loss_fn, batch, lr))
         seconds = stall_free(time.monotonic() - start, recent)
         threads.record(num_threads, seconds)
@@ -204,6 +206,10 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """A safetensors file (see train/checkpoint.py): resuming loads tensors and JSON, nothing unpickled."""
     save_state(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "state": {f: getattr(state, f) for f in StageState.__dataclass_fields__}})
+
+
+def add_device_argument(parser) -> None:
+    parser.add_argument("--device", default="cpu", help="where to train: cpu, cuda or cuda:N")
 
 
 def continued_from(init: Path | None) -> dict:
