@@ -49,7 +49,7 @@ class TransformersAnswers:
             for row, i in enumerate(index):          # left-padded
                 ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
                 mask[row, width - len(prompts[i]):] = 1
-            torch.manual_seed(params[index[0]].seed)
+            torch.manual_seed(params[index[0]].seed or 0)
             sampled = temperature > 0
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       max_new_tokens=params[index[0]].max_tokens, do_sample=sampled,

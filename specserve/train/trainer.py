@@ -1,9 +1,10 @@
 """One training stage: AdamW, warmup + cosine over the planned steps, a wall-clock budget, checkpoints.
 
-With a time budget the number of steps is planned from the measured step time (the last RECENT_STEPS
-steps) and re-planned every REPLAN_SECONDS, because the cores are shared and their speed changes; the
-schedule runs on progress = step / planned steps, kept non-decreasing. With max_steps the plan is fixed
-and the run is reproducible step for step.
+With a time budget the schedule runs on progress = training time spent / budget, and the stage ends when
+the budget is spent; the number of steps is estimated from the measured step time (the last RECENT_STEPS
+steps, re-estimated every REPLAN_SECONDS) for the warmup and the progress bar only. (Progress once ran on
+step / planned steps: on a GPU the plan made at step 10, during warm-up, ended runs after a fifth of their
+budget.) With max_steps the plan is fixed and the run is reproducible step for step.
 """
 from __future__ import annotations
 
@@ -164,7 +165,9 @@ def train_stage(cfg: StageConfig, model: nn.Module, loss_fn: Callable[[torch.Ten
             state.planned_steps = state.step + int(max(0.0, budget - state.seconds) / (sum(recent) / len(recent)))
             bar.total = state.planned_steps
             last_replan = now
-        if state.planned_steps:
+        if cfg.max_steps is None:      # a time budget: the schedule runs on the time spent, which a bad plan can't cut short
+            state.progress = max(state.progress, min(1.0, state.seconds / budget))
+        elif state.planned_steps:
             state.progress = max(state.progress, state.step / state.planned_steps)
         bar.update(1)
         tokens_per_second = cfg.batch_size * cfg.seq_len * len(recent) / sum(recent)
@@ -191,9 +194,7 @@ def stall_free(seconds: float, recent: deque[float]) -> float:
 def _finished(cfg: StageConfig, state: StageState, budget: float) -> bool:
     if cfg.max_steps is not None:
         return state.step >= cfg.max_steps
-    if state.seconds >= budget:
-        return True
-    return state.planned_steps > 0 and state.step >= state.planned_steps
+    return state.seconds >= budget
 
 
 def _seconds_left(cfg: StageConfig, state: StageState, recent: deque[float], budget: float) -> float:
