@@ -58,6 +58,8 @@ else
             "$data/prompts.jsonl" "$part/prompts.jsonl" "$j" "$PARALLEL"
         cp "$data/heldout.jsonl" "$part/"
         part_args=("${data_args[@]}"); part_args[3]="$part"
+        # few CPU threads each: six processes with torch's default (every core) stalled one another (session 22)
+        OMP_NUM_THREADS=$(( $(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1 )) \
         timeout $(( data_deadline - (SECONDS - start) )) $py "$here/hf_answers.py" "${part_args[@]}" --seed "$j" \
             --minutes "$(minutes $(( data_deadline - (SECONDS - start) )))" >"$out/data_hf$j.log" 2>&1 &
     done
@@ -77,7 +79,9 @@ e3_init=(--draft-vocab-size 2600 --intermediate-size 896); [ -n "$EAGLE3_INIT" ]
 mtp_init=(); [ -n "$MTP_INIT" ] && mtp_init=(--init "$MTP_INIT")
 timeout "$hard" $py -m specserve.train.cli train eagle3 "${common[@]}" --out "$out/eagle3" "${e3_init[@]}" \
     >"$out/eagle3.log" 2>&1 &
-timeout "$hard" $py -m specserve.train.cli train draft "${common[@]}" --out "$out/draft" >"$out/draft.log" 2>&1 &
+# the draft model overfits small data (850 epochs of 230k tokens in session 22): DRAFT_MINUTES caps it
+timeout "$hard" $py -m specserve.train.cli train draft "${common[@]}" --minutes "${DRAFT_MINUTES:-$train_minutes}" \
+    --out "$out/draft" >"$out/draft.log" 2>&1 &
 timeout "$hard" $py -m specserve.train.cli train mtp "${common[@]}" --out "$out/mtp" "${mtp_init[@]}" >"$out/mtp.log" 2>&1 &
 wait
 for kind in eagle3 draft mtp; do
