@@ -3,6 +3,7 @@ stays exact under it, its forward stays close to the eager one, and two compiled
 their own graphs."""
 import argparse
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,21 @@ def test_the_compile_flag_reaches_the_engine_and_rejects_tensor_parallelism():
     assert engine_config_from_args(build_parser().parse_args(["generate", "--prompt", "x"])).compile is False
     with pytest.raises(ValueError, match="--compile"):
         EngineConfig(model=str(DEMO), compile=True, tensor_parallel_size=2)
+
+
+def test_inductor_cache_is_kept_per_vector_isa(monkeypatch):
+    """Kernels inductor cached for AVX-512 and built again for AVX2 left half of each output unwritten (NaN): unless
+    the user names a folder, --compile keeps one per ISA."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from specserve.models.compiled import key_inductor_cache_by_isa
+    isa = "_".join(str(pick_vec_isa()).split()) or "novec"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    key_inductor_cache_by_isa()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir()) + "_" + isa
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))   # inductor set its default
+    key_inductor_cache_by_isa()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("_" + isa)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")                        # the user's choice
+    key_inductor_cache_by_isa()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import types
 from dataclasses import replace
 
@@ -97,12 +98,25 @@ def input_guards(entries) -> list[bool]:
     return [e.name in INPUTS or e.name == "" for e in entries]
 
 
+def key_inductor_cache_by_isa() -> None:
+    """inductor's on-disk cache does not key its C++ kernels by the vector ISA they were written for: kernels cached
+    on an AVX-512 CPU and built again where inductor targets AVX2 (another CPU sharing the folder, or
+    ATEN_CPU_CAPABILITY=avx2) step 16 lanes over 8-lane vectors, leave half of each output unwritten and return NaN
+    (session 22). Unless the user chose a folder, each ISA gets its own."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    default, chosen = os.path.abspath(default_cache_dir()), os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == default:      # inductor's default, not the user's
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{'_'.join(str(pick_vec_isa()).split()) or 'novec'}"
+
+
 class CompiledForward:
     """model.run_layers over the paged cache, compiled; called as the model's forward is."""
 
     def __init__(self, model: nn.Module):
         if not model.model.embed_tokens.weight.is_cpu or any(layer.frozen is None for layer in model.model.layers):
             raise ValueError("--compile: only a model packed for inference on CPU is compiled (--device cpu)")
+        key_inductor_cache_by_isa()
         self.model = model
         self.layers = [lambda x, cos, sin, ctx, w=graph_weights(layer): decoder_layer(x, w, cos, sin, ctx)
                        for layer in model.model.layers]
