@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specserve.train.data import shard_path
+
 NAMES = ("input_ids", "lengths", "num_prompt_tokens", "temperature")
 
 
@@ -21,7 +23,7 @@ def export(data: Path, out: Path) -> dict:
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in NAMES}
     kinds: list[str] = []
     for index in sorted(int(i) for i in summary["shards"]):
-        with safe_open(str(data / f"shard_{index:04d}.safetensors"), "pt") as f:
+        with safe_open(str(shard_path(data, index)), "pt") as f:
             for name in NAMES:
                 parts[name].append(f.get_tensor(name))
             kinds += json.loads(f.metadata()["specserve.state"])["kinds"]

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from specserve.train.data import shard_path
+from specserve.train.data import shard_path, shard_totals
 
 
 def merge(out: Path, sources: list[Path]) -> dict:
@@ -34,10 +34,7 @@ def merge(out: Path, sources: list[Path]) -> dict:
         for key, value in summary.items():
             if key not in merged and key not in ("shards", "num_prompts", "tokens", "answer_tokens", "minutes"):
                 merged[key] = value
-    shards = merged["shards"].values()
-    merged |= {"num_prompts": sum(s["prompts"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-               "answer_tokens": sum(s["answer_tokens"] for s in shards),
-               "minutes": (merged["generate_seconds"] + merged["record_seconds"]) / 60}
+    merged |= shard_totals(merged)
     (out / "training_summary.json").write_text(json.dumps(merged, indent=2) + "\n")
     return {k: merged[k] for k in ("num_prompts", "tokens", "answer_tokens")} | {"shards": len(merged["shards"])}
 

@@ -114,12 +114,16 @@ def run_data(cfg: DataConfig) -> dict:
     return summary
 
 
-def write_summary(path: Path, summary: dict, cfg: DataConfig) -> None:
+def shard_totals(summary: dict) -> dict:
+    """The totals a data summary keeps over its shards."""
     shards = summary["shards"].values()
-    summary |= {"num_prompts": sum(s["prompts"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-                "answer_tokens": sum(s["answer_tokens"] for s in shards),
-                "minutes": (summary["generate_seconds"] + summary["record_seconds"]) / 60,
-                "max_tokens": cfg.max_tokens, "sampled_temperature": SAMPLED_TEMPERATURE,
+    return {"num_prompts": sum(s["prompts"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+            "answer_tokens": sum(s["answer_tokens"] for s in shards),
+            "minutes": (summary["generate_seconds"] + summary["record_seconds"]) / 60}
+
+
+def write_summary(path: Path, summary: dict, cfg: DataConfig) -> None:
+    summary |= shard_totals(summary) | {"max_tokens": cfg.max_tokens, "sampled_temperature": SAMPLED_TEMPERATURE,
                 "sampled_every": cfg.sampled_every, "answers_per_prompt": cfg.answers_per_prompt, "top_k": cfg.top_k,
                 "seed": cfg.seed}
     path.write_text(json.dumps(summary, indent=2) + "\n")
