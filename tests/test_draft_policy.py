@@ -122,6 +122,32 @@ def test_a_drafter_far_behind_a_sequence_costs_its_catch_up_and_does_not_probe()
     assert [c[0] for c in choices].count(1) >= 1 and [c[1] for c in choices].count(1) == 0
 
 
+def test_a_held_sequence_returns_toward_the_method_rate_and_drafts_again():
+    """A sequence whose first drafts were rejected is held at 0; while held, its own counts decay toward the method's
+    rate, so that text which turns predictable is drafted again before a probe would have been due."""
+    policy = policy_with(lambda rows: 0.010 + 0.006 * rows, {i: 0.8 for i in range(1, 5)})    # the method: 0.8
+    for _ in range(20):
+        policy.observe(9, 3, 0)                                      # sequence 9 starts badly
+    held = policy.acceptance(9)[0]
+    assert held < 0.4
+    choices = [policy.choose([Candidate(9, 8)], fixed_rows=1, num_fixed_tokens=1)[0] for _ in range(PROBE_EVERY)]
+    resumed = next(i for i, k in enumerate(choices) if k > 0)
+    assert choices[0] == 0 and resumed < PROBE_EVERY - 1 and all(choices[resumed:])
+    assert policy.acceptance(9)[0] > held + 0.02
+
+
+def test_a_probe_pays_its_catch_up_spread_over_the_tokens_still_to_come():
+    """A held EAGLE3 or MTP sequence adds one token a step to what the drafter must catch up on: against a single
+    verify row that soon forbade probes for the rest of the request (and kept a method whose first requests went
+    badly held on every later one). Spread over the tokens the sequence may still generate, it does not."""
+    def probes(remaining: int) -> int:
+        held = policy_with(lambda rows: 0.005 + 0.01 * rows, {1: 0.0})
+        held.costs.per_catch_up_token = 40e-6
+        return sum(held.choose([Candidate(2, 8, catch_up=256 + step, remaining=remaining)], fixed_rows=1,
+                               num_fixed_tokens=1)[0] for step in range(2 * PROBE_EVERY))
+    assert probes(remaining=1) == 0 and probes(remaining=500) == 2      # one every PROBE_EVERY steps
+
+
 def test_a_cost_per_drafting_sequence_buys_longer_drafts_than_the_same_cost_per_token():
     """f, paid once a step by a sequence that drafts (a deferring drafter's forward over its committed tokens), is
     spread over its draft: where it would hold a sequence to a short draft as a per-token cost, it buys a longer

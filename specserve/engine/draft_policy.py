@@ -30,7 +30,10 @@ taken. Cheap verify rows and high acceptance give long chains; a large batch (T 
 gives 0.
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
-(itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). T is a table over row
+(itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts
+decay by SEQ_DECAY per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate
+returns toward the method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat
+at a_1 ~ 0.22, the break-even, and stayed held for the rest of the request. T is a table over row
 counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
 (`calibrate`); T's table is scaled, by one factor that keeps its shape, after every decode-only step toward its
 measured time less s * L; P (the time per
@@ -43,8 +46,10 @@ first look as dear as the first). A sequence held at 0 drafts one token every PR
 recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY
 << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a drafter forward, which
 at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed. So
-a sequence probes only while its whole catch-up r * u_i costs no more than the probe's verify row: under load,
-probes made every sequence pay the drafter over its prompt.
+a sequence probes only while its catch-up r * u_i, spread over the n_i tokens it may still generate (as a drafting
+step's is), costs no more than the probe's verify row. (Against the whole catch-up, a held EAGLE3 or MTP sequence,
+whose catch-up grows by a token a step, stopped probing for good after 16 steps; and when every request of a method
+was held from its start by a low method rate, nothing was ever drafted again to correct that rate.)
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
@@ -63,6 +68,7 @@ from specserve.engine.step_costs import CALIBRATION_SLOTS, SLOT_CALIBRATION_ROWS
 PRIOR_ACCEPTANCE = 0.6          # per-position acceptance before anything is measured
 PRIOR_WEIGHT = 4.0              # W: observations the method-wide rate counts as, in a sequence's estimate
 SEQ_DECAY = 0.8                 # a sequence's counts decay by this per observation (recent text counts most)
+IDLE_DECAY = 0.9                # and by this per step it is held at 0, back toward the method's rate
 METHOD_DECAY = 0.995
 PROBE_EVERY = 16
 MAX_BACKOFF = 3                 # the wait between failed probes doubles at most this many times (16 -> 128 steps)
@@ -78,9 +84,12 @@ class Acceptance:
     def empty(cls, positions: int) -> Acceptance:
         return cls(np.zeros(positions), np.zeros(positions))
 
+    def decay(self, factor: float) -> None:
+        self.attempted *= factor
+        self.accepted *= factor
+
     def observe(self, num_drafted: int, num_accepted: int, decay: float) -> None:
-        self.attempted *= decay
-        self.accepted *= decay
+        self.decay(decay)
         self.attempted[:min(num_accepted + 1, num_drafted)] += 1
         self.accepted[:num_accepted] += 1
 
@@ -133,14 +142,17 @@ class DraftPolicy:
             longer = min(measure(R, slots) for _ in range(2)) - min(measure(R, 1) for _ in range(2))
             self.costs.per_row_slot = max(0.0, longer / (R * (slots - 1)))
 
-    def acceptance(self, seq_id: int) -> np.ndarray:
-        """a_ij for j = 1..max_positions."""
-        m = self.method
-        prior = (m.accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (m.attempted + PRIOR_WEIGHT)
+    def acceptance(self, seq_id: int, prior: np.ndarray | None = None) -> np.ndarray:
+        """a_ij for j = 1..max_positions (prior: the method's rate, self.prior(), where the caller has it)."""
+        prior = self.prior() if prior is None else prior
         own = self.seqs.get(seq_id)
         if own is None:
             return prior
         return (own.accepted + PRIOR_WEIGHT * prior) / (own.attempted + PRIOR_WEIGHT)
+
+    def prior(self) -> np.ndarray:
+        m = self.method
+        return (m.accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (m.attempted + PRIOR_WEIGHT)
 
     def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, fixed_slots: int = 0
                ) -> list[int]:
@@ -151,14 +163,16 @@ class DraftPolicy:
             return []
         K = self.max_positions
         caps = np.array([min(c.max_tokens, K) for c in candidates])
-        gains = np.cumprod(np.stack([self.acceptance(c.seq_id) for c in candidates]), axis=1)   # [B, K]
+        prior = self.prior()
+        gains = np.cumprod(np.stack([self.acceptance(c.seq_id, prior) for c in candidates]), axis=1)   # [B, K]
         gains[np.arange(K)[None, :] >= caps[:, None]] = -1.0
         contexts = np.array([c.context for c in candidates], dtype=float)
         costs = self.costs
+        target = costs.target(fixed_rows + np.arange(caps.sum() + 2))     # T at fixed_rows + n rows, n = 0 .. all
         catch_up = np.array([c.catch_up for c in candidates], dtype=float) * costs.per_catch_up_token
         # what drafting costs a sequence in a step beyond its tokens: its share of the catch-up, and f
         spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float) + costs.per_drafting_seq
-        unit = float(costs.target(fixed_rows + 1) - costs.target(fixed_rows)) + costs.per_draft_token \
+        unit = float(target[1] - target[0]) + costs.per_draft_token \
             + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (spread / np.maximum(caps, 1))[:, None]
         order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
         sorted_gains = gains.reshape(-1)[order]
@@ -169,18 +183,20 @@ class DraftPolicy:
         added = contexts[order[:usable] // K] + order[:usable] % K + 1
         slots = fixed_slots + np.concatenate([[0.0], np.cumsum(added)])
         first_tokens = np.where(order[:usable] % K == 0, spread[order[:usable] // K], 0.0)   # a sequence's first
-        seconds = costs.target(fixed_rows + n) + costs.per_row_slot * slots + costs.per_draft_token * n \
+        seconds = target[:usable + 1] + costs.per_row_slot * slots + costs.per_draft_token * n \
             + np.concatenate([[0.0], np.cumsum(first_tokens)])
         best = int(np.argmax(expected / seconds))
         lengths = np.zeros(len(candidates), dtype=int)
         np.add.at(lengths, order[:best] // K, 1)
-        rows = fixed_rows + int(lengths.sum())      # a probe's verify row: what one more row and its slots cost
-        verify_row = float(costs.target(rows + 1) - costs.target(rows)) + costs.per_row_slot * contexts
+        # a probe's verify row: what one more row and its slots cost
+        verify_row = float(target[best + 1] - target[best]) + costs.per_row_slot * contexts
         for i, c in enumerate(candidates):      # explore: a sequence held at 0 probes one token now and then
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
             if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0 \
-                    and catch_up[i] <= verify_row[i]:
+                    and catch_up[i] / max(1, c.remaining) <= verify_row[i]:
                 lengths[i], idle = 1, 0
+            if idle and (own := self.seqs.get(c.seq_id)) is not None:
+                own.decay(IDLE_DECAY)
             self.idle_steps[c.seq_id] = idle
         return lengths.tolist()
 
