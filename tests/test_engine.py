@@ -78,6 +78,20 @@ def test_prefix_cache_hit_equals_miss(qwen3_dir):
     assert cold.generate(prompt, params)[0].outputs[0].token_ids == first
 
 
+def test_a_request_that_ends_in_its_prompt_step_caches_its_prompt(qwen3_dir):
+    """max_tokens=1 finishes in the step that computes the prompt: its blocks are still hashed before they are freed
+    (as vLLM caches them), so the same prompt again is a hit, with the same output."""
+    prompt = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+    llm = LLM(str(qwen3_dir), kv_cache_memory_gb=0.01, speculative_method="none", block_size=4)
+    ids = llm.tokenizer.encode(prompt)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    first = llm.generate(prompt, one)[0].outputs[0].token_ids
+    again = llm.engine.add_request(ids, one)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert again.num_cached_tokens == (len(ids) - 1) // 4 * 4 and again.output_token_ids == first
+
+
 def test_truncate_then_extend_equals_never_extending(qwen3_dir):
     from specserve.engine.block_manager import BlockManager
     from specserve.runtime.sequence import Sequence

@@ -212,7 +212,8 @@ class LLMEngine:
         deferred = self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
         self.policy.costs.observe_drafting(draft.token_ids, drafted - start, num_catch_up, deferred)
         for s in scheduled:
-            self._register(s.seq)
+            if not s.seq.is_finished:
+                self._register(s.seq)
             if s.completes_prompt and s.seq.request_id in self.parked:   # its prompt's blocks are registered now
                 self._unpark(s.seq.request_id)
         return outputs
@@ -287,14 +288,13 @@ class LLMEngine:
                 seq.grammar.commit(appended)
             self.block_manager.truncate(seq, seq.num_computed_tokens)
             if seq.finish_reason is not None:
+                self._register(seq)           # before its blocks are freed: a max_tokens=1 request caches its prompt
                 self._finish(seq)
             outputs.append(StepOutput(seq.request_id, appended, text, seq.finish_reason is not None, seq.snapshot(),
                                       new_logprobs=logprobs))
         return outputs
 
     def _register(self, seq: Sequence) -> None:
-        if seq.is_finished:
-            return
         valid = seq.num_computed_tokens
         self.block_manager.register(seq, valid, min(valid, seq.num_drafter_valid) if self.proposer.uses_kv_cache
                                     else valid)
