@@ -46,10 +46,13 @@ first look as dear as the first). A sequence held at 0 drafts one token every PR
 recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY
 << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a drafter forward, which
 at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed. So
-a sequence probes only while its catch-up r * u_i, spread over the n_i tokens it may still generate (as a drafting
-step's is), costs no more than the probe's verify row. (Against the whole catch-up, a held EAGLE3 or MTP sequence,
-whose catch-up grows by a token a step, stopped probing for good after 16 steps; and when every request of a method
-was held from its start by a low method rate, nothing was ever drafted again to correct that rate.)
+probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them) accrues as credit,
+and a due probe is made when the credit covers its cost (its catch-up r * u_i, its verify row, its draft token, f).
+Exploration then costs at most that share, at any load. (Allowed only while the whole catch-up cost no more than
+the probe's verify row, a held EAGLE3 or MTP sequence, whose catch-up grows by a token a step, stopped probing for
+good after 16 steps, and a method whose first requests went badly was never drafted again. Allowed while the
+catch-up spread over the tokens still to come cost no more than a verify row, probes at 32 sequences of random text
+cost the draft model 8%: each caught up on a whole prompt.)
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
 verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
@@ -71,6 +74,7 @@ SEQ_DECAY = 0.8                 # a sequence's counts decay by this per observat
 IDLE_DECAY = 0.9                # and by this per step it is held at 0, back toward the method's rate
 METHOD_DECAY = 0.995
 PROBE_EVERY = 16
+EXPLORE_SHARE = 0.02            # of the time steps take, what probes may spend
 MAX_BACKOFF = 3                 # the wait between failed probes doubles at most this many times (16 -> 128 steps)
 
 
@@ -126,6 +130,7 @@ class DraftPolicy:
         self.seqs: dict[int, Acceptance] = {}
         self.idle_steps: dict[int, int] = {}
         self.failed_probes: dict[int, int] = {}     # drafts in a row that landed nothing, per sequence
+        self.explore_credit = 0.0                   # seconds the next probes may cost
         self.costs = StepCosts()
 
     @property
@@ -190,11 +195,18 @@ class DraftPolicy:
         np.add.at(lengths, order[:best] // K, 1)
         # a probe's verify row: what one more row and its slots cost
         verify_row = float(target[best + 1] - target[best]) + costs.per_row_slot * contexts
-        for i, c in enumerate(candidates):      # explore: a sequence held at 0 probes one token now and then
+        # explore: a sequence held at 0 probes one token now and then, paid from a budget of EXPLORE_SHARE of the steps'
+        # time; what goes unspent is kept, up to what the longest wait between probes accrues
+        step = float(seconds[best])
+        self.explore_credit = min(self.explore_credit + EXPLORE_SHARE * step,
+                                  EXPLORE_SHARE * step * (PROBE_EVERY << MAX_BACKOFF))
+        probe_cost = catch_up + verify_row + costs.per_draft_token + costs.per_drafting_seq
+        for i, c in enumerate(candidates):
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
             if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0 \
-                    and catch_up[i] / max(1, c.remaining) <= verify_row[i]:
+                    and probe_cost[i] <= self.explore_credit:
                 lengths[i], idle = 1, 0
+                self.explore_credit -= probe_cost[i]
             if idle and (own := self.seqs.get(c.seq_id)) is not None:
                 own.decay(IDLE_DECAY)
             self.idle_steps[c.seq_id] = idle
