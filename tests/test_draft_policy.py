@@ -4,7 +4,7 @@ import pytest
 
 from specserve.config import demo_model_dir
 from specserve.engine.draft_policy import EXPLORE_SHARE, MAX_BACKOFF, PROBE_EVERY, Candidate, DraftPolicy
-from specserve.engine.step_costs import StepCosts
+from specserve.engine.step_costs import LINEAR_ROWS, StepCosts
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -185,6 +185,51 @@ def test_a_first_call_over_a_whole_prompt_does_not_price_the_draft_tokens():
         policy.costs.observe_drafter(2, 2 * 1e-3)
     assert policy.costs.per_draft_token == pytest.approx(1e-3, rel=0.05)
     assert policy.costs.per_catch_up_token == pytest.approx(20e-6, rel=0.05)
+
+
+def test_a_first_draft_token_dearer_than_the_next_buys_longer_drafts():
+    """A draft model's call pays its overhead and the tokens accepted since the last call with its first draft token
+    (on the default model at one sequence: 1.4 ms, then 0.8 ms a token). Once calls of different lengths tell the two
+    apart, d and c are fitted apart, and a second token is priced at c: fitted alike through the origin, every token
+    cost ~1.1 ms and auto drafted one where two were fastest."""
+    policy = policy_with(lambda rows: 0.016 + 0.0006 * rows, {})
+    costs = policy.costs
+    for _ in range(3):                             # drafts of one length: d and c cannot be told apart
+        costs.observe_drafter(2, 2.2e-3)
+    assert costs.per_first_draft_token == costs.per_draft_token == pytest.approx(1.1e-3)
+    for k in (1, 2, 3, 1, 2, 3):                    # without catch-up (MTP's drafts, kept up after every step)
+        costs.observe_drafter(k, 1.4e-3 + 0.8e-3 * (k - 1))
+    assert costs.per_first_draft_token == pytest.approx(1.4e-3) and costs.per_draft_token == pytest.approx(0.8e-3)
+    for k in (1, 2, 3, 1, 2, 3):
+        costs.observe_drafter(k, 1.4e-3 + 0.8e-3 * (k - 1) + 30e-6 * k, num_catch_up=k)
+    assert costs.per_first_draft_token == pytest.approx(1.4e-3, rel=0.01)
+    assert costs.per_draft_token == pytest.approx(0.8e-3, rel=0.01)
+    assert costs.per_catch_up_token == pytest.approx(30e-6, rel=0.01)
+    # acceptance 0.3, then 0.45 given the first, then 0.2 (sonnet at one sequence): two tokens pay at these prices
+    policy.method.attempted[:], policy.method.accepted[:] = 1e6, 0.2e6
+    policy.method.accepted[:2] = 0.3e6, 0.45e6
+    assert policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1) == [2]
+    costs.per_first_draft_token = costs.per_draft_token = 1.46e-3      # the calls fitted alike through the origin
+    assert policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1) == [1]
+
+
+def test_calibration_prices_a_verify_row_by_the_slope_over_a_few_rows():
+    """T is measured in interleaved rounds, the first dropped (a new process's first forwards), each point's best
+    kept, and up to LINEAR_ROWS rows fitted as a line: one slow measurement of two rows does not make a verify row at
+    one sequence look three times its cost."""
+    calls = []
+
+    def measure(rows, slots):
+        calls.append(rows)
+        first = calls.count(rows) == 1
+        spike = 0.002 if rows == 2 else 0.0            # every round of two rows ran in a noisy moment
+        return (0.014 + 0.0006 * rows + 1e-6 * rows * (slots - 1) + spike) * (5 if first else 1)
+    policy = DraftPolicy(8)
+    policy.calibrate(measure)
+    T = policy.costs.target
+    assert float(T(2) - T(1)) < 0.0006 * 2
+    assert float(T(16)) == pytest.approx(0.014 + 0.0006 * 16)
+    assert policy.costs.per_row_slot == pytest.approx(1e-6)
 
 
 def test_a_new_sequence_starts_from_the_methods_rate():

@@ -1,72 +1,73 @@
 """Draft lengths chosen per step for `num_assistant_tokens: "auto"`: the batch's goodput, maximised.
 
-The rule. For sequence i and draft position j (1-based) let a_ij be the probability that draft token j is
-accepted given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits in expectation
+The rule. For sequence i and draft position j (1-based) let a_ij be the probability that draft token j is accepted
+given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits in expectation
 
     E_i(k_i) = 1 + sum_{j <= k_i} g_ij,      g_ij = prod_{m <= j} a_im
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + c * sum_i k_i + sum_{i: k_i > 0} (f + r * u_i / n_i),   R = decode rows (1 + k_i each)
+    S(k) = T(R) + s * L + c * sum_i k_i + sum_{i: k_i > 0} (d - c + f + r * u_i / n_i),   R = decode rows (1 + k_i each)
 
 where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row attends
-its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per slot, c the
-drafter's time per draft token, f its time per sequence that drafts (EAGLE3's head and MTP's layers run over its
-committed tokens after the step, whatever the draft's length), and r its time per token u_i it must catch up on
-before drafting for sequence i again (a drafter that skips sequences held at 0: EAGLE3's head and MTP's layers over
-the target's states they hold, a draft model over the tokens it has not seen; under load, a whole prompt), paid
-once, so spread over the n_i tokens the sequence may still generate. At a few hundred slots a context, s * L is most
-of what a verify row costs on a CPU (each decode row is attended on its own, so that its bits do not depend on its
-neighbours), and it grows with the batch's contexts, not with R alone. The prompt-chunk rows a step may also carry
-are left out of S: their time is spent whatever is drafted, and counting it would lower the step's ratio until every
-marginal draft token looked worth its verify row (under load most steps carry a new request's prompt: at 32
-concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding was fastest). Maximising the
-ratio over the decode part is maximising E - lambda * S at the rate lambda decoding would reach alone, the
-renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i E_i(k_i) / S(k).
-Each g_ij falls with j, so adding draft tokens in descending order of g per cost over the whole batch (a token's
-verify row, slots and draft, plus f + r * u_i / n_i spread over the sequence's cap) visits, for every total n, about the
-allocation with the most expected tokens at that cost; G is evaluated exactly at every n at once and the best n
-taken. Cheap verify rows and high acceptance give long chains; a large batch (T steep in R) with low acceptance
-gives 0.
+its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per slot, d the
+drafter's time for a sequence's first draft token and c for each one after it, f its time per sequence that drafts
+(EAGLE3's head and MTP's layers run over its committed tokens after the step, whatever the draft's length), and r its
+time per token u_i it must catch up on before drafting for sequence i again (a drafter that skips sequences held at 0:
+EAGLE3's head and MTP's layers over the target's states they hold, a draft model over the tokens it has not seen;
+under load, a whole prompt), paid once, so spread over the n_i tokens the sequence may still generate. At a few
+hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row is attended on its own, so
+that its bits do not depend on its neighbours), and it grows with the batch's contexts, not with R alone. The
+prompt-chunk rows a step may also carry are left out of S: their time is spent whatever is drafted, and counting it
+would lower the step's ratio until every marginal draft token looked worth its verify row (under load most steps carry
+a new request's prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding
+was fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda decoding would
+reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i
+E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost over the whole batch
+(a token's verify row, slots and draft, plus d - c + f + r * u_i / n_i spread over the sequence's cap) visits, for
+every total n, about the allocation with the most expected tokens at that cost; G is evaluated exactly at every n at
+once and the best n taken. Cheap verify rows and high acceptance give long chains; a large batch (T steep in R) with
+low acceptance gives 0.
 
-Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate
-(itself decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts
-decay by SEQ_DECAY per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate
-returns toward the method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat
-at a_1 ~ 0.22, the break-even, and stayed held for the rest of the request. T is a table over row
-counts of one-slot rows and s the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up
-(`calibrate`); T's table is scaled, by one factor that keeps its shape, after every decode-only step toward its
-measured time less s * L; P (the time per
-prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of what such steps took
-beyond T and s * L; c and r a least-squares fit of propose() times to its draft and caught-up tokens over recent
-steps (alike per token until a call without catch-up tells them apart: on draft tokens alone, a first call over a
+Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
+decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by
+SEQ_DECAY per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate returns
+toward the method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat at a_1 ~
+0.22, the break-even, and stayed held for the rest of the request. T is a table over row counts of one-slot rows and s
+the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up (`calibrate`: the best of
+CALIBRATION_ROUNDS interleaved rounds, T a line up to LINEAR_ROWS rows); T's table is scaled, by one factor that keeps
+its shape, after every decode-only step toward its measured time less s * L; P (the time per prompt-chunk row, from
+steps with prompt rows, so that they do not skew T) a running mean of what such steps took beyond T and s * L; d, c
+and r a least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up
+tokens over recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and
+caught-up tokens alike until a call without catch-up tells them apart: on draft tokens alone, a first call over a
 whole prompt priced drafting out); f a running mean of the forwards a deferring drafter runs after a step
 (`on_target_forward`) per sequence that drafted in it (as a per-token cost, it made every token after a sequence's
 first look as dear as the first). A sequence held at 0 drafts one token every PROBE_EVERY steps, so its estimate can
-recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY
-<< MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a drafter forward, which
-at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed. So
-probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them) accrues as credit,
-and a due probe is made when the credit covers its cost (its catch-up r * u_i, its verify row, its draft token, f).
-Exploration then costs at most that share, at any load. (Allowed only while the whole catch-up cost no more than
-the probe's verify row, a held EAGLE3 or MTP sequence, whose catch-up grows by a token a step, stopped probing for
-good after 16 steps, and a method whose first requests went badly was never drafted again. Allowed while the
-catch-up spread over the tokens still to come cost no more than a verify row, probes at 32 sequences of random text
-cost the draft model 8%: each caught up on a whole prompt.)
+recover (the explore step of a bandit); each probe in a row that lands nothing doubles the wait, up to PROBE_EVERY <<
+MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a drafter forward, which at 32
+sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed. So probes
+are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them) accrues as credit, and a
+due probe is made when the credit covers its cost (its catch-up r * u_i, its verify row, its draft token d, f).
+Exploration then costs at most that share, at any load. (Allowed only while the whole catch-up cost no more than the
+probe's verify row, a held EAGLE3 or MTP sequence, whose catch-up grows by a token a step, stopped probing for good
+after 16 steps, and a method whose first requests went badly was never drafted again. Allowed while the catch-up
+spread over the tokens still to come cost no more than a verify row, probes at 32 sequences of random text cost the
+draft model 8%: each caught up on a whole prompt.)
 
-This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's
-verify costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec
-(draft lengths learned online from measured rewards, with exploration) and SGLang's adaptive speculation (draft
-length per batch size from measured step times). The choice only changes what is drafted, never what is
-accepted: output is exact whatever lengths it picks.
-"""
+This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's verify
+costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec (draft lengths
+learned online from measured rewards, with exploration) and SGLang's adaptive speculation (draft length per batch size
+from measured step times). The choice only changes what is drafted, never what is accepted: output is exact whatever
+lengths it picks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.engine.step_costs import CALIBRATION_SLOTS, SLOT_CALIBRATION_ROWS, StepCosts
+from specserve.engine.step_costs import (CALIBRATION_ROUNDS, CALIBRATION_SLOTS, LINEAR_ROWS, SLOT_CALIBRATION_ROWS,
+                                          StepCosts)
 
 PRIOR_ACCEPTANCE = 0.6          # per-position acceptance before anything is measured
 PRIOR_WEIGHT = 4.0              # W: observations the method-wide rate counts as, in a sequence's estimate
@@ -140,12 +141,28 @@ class DraftPolicy:
     def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
         """measure(rows, slots) -> seconds of one target forward and verify at that many rows, each attending
         `slots` cache slots (at most max_slots: what the KV cache and context limit allow)."""
-        times = [min(measure(int(r), 1) for _ in range(2)) for r in self.costs.rows]
-        self.costs.seconds = np.maximum.accumulate(np.array(times, dtype=float))
         slots, R = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS
+        points = [(int(r), 1) for r in self.costs.rows] + ([(R, slots)] if slots > 1 else [])
+        # the best of CALIBRATION_ROUNDS rounds over every point in turn: a row's cost at one to four rows is a few
+        # percent of the step, under what a busy host moves one measurement (best of 2 in a row, T(2) - T(1) came out
+        # 0 to 1.6 ms where it is 0.5 on the default model, and a verify row looked up to three times its cost)
+        best = np.full(len(points), np.inf)
+        for rows, n in points:          # a first round warms up what a new process has not run yet, and is dropped
+            measure(rows, n)
+        for _ in range(CALIBRATION_ROUNDS):
+            best = np.minimum(best, [measure(rows, n) for rows, n in points])
+        table = best[:len(self.costs.rows)]
+        # up to LINEAR_ROWS, T is a line on a CPU (the weights' reads, then a little per row); a line fitted through
+        # those points prices a verify row by their common slope instead of by two of them (best of five, T(2) - T(1)
+        # still ranged 0.4-1.8 ms over calibrations where the slope over 1-8 rows ranged 0.55-0.65)
+        small = self.costs.rows <= LINEAR_ROWS
+        slope, intercept = np.polyfit(self.costs.rows[small], table[small], 1)
+        if slope >= 0:
+            table[small] = intercept + slope * self.costs.rows[small]
+        self.costs.seconds = np.maximum.accumulate(table)
         if slots > 1:
-            longer = min(measure(R, slots) for _ in range(2)) - min(measure(R, 1) for _ in range(2))
-            self.costs.per_row_slot = max(0.0, longer / (R * (slots - 1)))
+            one_slot = float(np.interp(R, self.costs.rows, self.costs.seconds))
+            self.costs.per_row_slot = max(0.0, (best[-1] - one_slot) / (R * (slots - 1)))
 
     def acceptance(self, seq_id: int, prior: np.ndarray | None = None) -> np.ndarray:
         """a_ij for j = 1..max_positions (prior: the method's rate, self.prior(), where the caller has it)."""
@@ -175,8 +192,10 @@ class DraftPolicy:
         costs = self.costs
         target = costs.target(fixed_rows + np.arange(caps.sum() + 2))     # T at fixed_rows + n rows, n = 0 .. all
         catch_up = np.array([c.catch_up for c in candidates], dtype=float) * costs.per_catch_up_token
-        # what drafting costs a sequence in a step beyond its tokens: its share of the catch-up, and f
-        spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float) + costs.per_drafting_seq
+        # what drafting costs a sequence in a step beyond its tokens at c each: its share of the catch-up, f, and what
+        # its first draft token costs beyond c (d - c)
+        spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float) + costs.per_drafting_seq \
+            + (costs.per_first_draft_token - costs.per_draft_token)
         unit = float(target[1] - target[0]) + costs.per_draft_token \
             + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (spread / np.maximum(caps, 1))[:, None]
         order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
@@ -200,7 +219,7 @@ class DraftPolicy:
         step = float(seconds[best])
         self.explore_credit = min(self.explore_credit + EXPLORE_SHARE * step,
                                   EXPLORE_SHARE * step * (PROBE_EVERY << MAX_BACKOFF))
-        probe_cost = catch_up + verify_row + costs.per_draft_token + costs.per_drafting_seq
+        probe_cost = catch_up + verify_row + costs.per_first_draft_token + costs.per_drafting_seq
         for i, c in enumerate(candidates):
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
             if idle >= PROBE_EVERY << min(self.failed_probes.get(c.seq_id, 0), MAX_BACKOFF) and caps[i] > 0 \

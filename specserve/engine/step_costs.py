@@ -1,6 +1,7 @@
 """The cost side of "auto" (engine/draft_policy.py): the target's forward-and-verify time T(R) over decode rows, the
-time s a row pays per cache slot it attends, P per prompt-chunk row, and the drafter's c per draft token, r per
-token caught up on and f per sequence that drafts (its forwards deferred past the step)."""
+time s a row pays per cache slot it attends, P per prompt-chunk row, and the drafter's d per sequence's first draft
+token, c per draft token after it, r per token caught up on and f per sequence that drafts (its forwards deferred past
+the step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +10,8 @@ import numpy as np
 
 TIME_RATE = 0.2                 # how far one measured step moves the cost table
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+CALIBRATION_ROUNDS = 5
+LINEAR_ROWS = 8                 # T is fitted as a line up to this many rows
 CALIBRATION_SLOTS = 512         # the context of the rows that measure s
 SLOT_CALIBRATION_ROWS = 32     # enough rows that their slots' time stands out of the noise (at 8, s measured 0)
 
@@ -21,16 +24,18 @@ def warm_rate(count: int) -> float:
 @dataclass(slots=True)
 class StepCosts:
     """T(R) as a calibrated table over row counts (linear between points, beyond the last along its last slope) times
-    a factor measured steps correct, s, P, c, r, f."""
+    a factor measured steps correct, s, P, d, c, r, f."""
     rows: np.ndarray = field(default_factory=lambda: np.array(CALIBRATION_ROWS, dtype=float))
     seconds: np.ndarray | None = None   # T at each of `rows`, as calibrated
     scale: float = 1.0                  # what measured steps make of it
     per_row_slot: float = 0.0
-    per_draft_token: float = 0.0
+    per_draft_token: float = 0.0        # c: each draft token after a sequence's first
+    per_first_draft_token: float = 0.0  # d: a sequence's first draft token (the call's own overhead with it)
     per_catch_up_token: float = 0.0
     num_draft_samples: int = 0
-    # decayed [x x^T | x * seconds] of propose() calls, x = (draft tokens, caught-up tokens): c and r's fit
-    drafter_moments: np.ndarray = field(default_factory=lambda: np.zeros((2, 3)))
+    # decayed [x x^T | x * seconds] of propose() calls, x = (drafting sequences, draft tokens after each one's
+    # first, caught-up tokens): d, c and r's fit
+    drafter_moments: np.ndarray = field(default_factory=lambda: np.zeros((3, 4)))
     per_prompt_row: float = 0.0
     num_prompt_samples: int = 0
     per_drafting_seq: float = 0.0       # f
@@ -62,17 +67,48 @@ class StepCosts:
         if rows > 0 and seconds > 0:
             self.scale *= (seconds / float(self.target(rows))) ** TIME_RATE
 
-    def observe_drafter(self, num_tokens: int, seconds: float, num_catch_up: int = 0) -> None:
-        """A propose() call's time, ~ c * num_tokens + r * num_catch_up: c and r refitted (non-negative) over the
-        recent calls; r keeps its value while no recent call caught up on anything."""
+    def observe_drafter(self, num_tokens: int, seconds: float, num_catch_up: int = 0, num_seqs: int = 1) -> None:
+        """A propose() call's time, ~ d * num_seqs + c * (num_tokens - num_seqs) + r * num_catch_up: d, c and r
+        refitted (non-negative) over the recent calls. A call's first draft token is dearer than the next ones for a
+        draft model (its forward also takes the tokens accepted since the last call, and the call's own overhead:
+        on SmolLM2 at one sequence 1.4 ms, then 0.8 ms a token) and cheaper for MTP (the first forward ran after
+        the last step, in f: 0.7 ms, then 1.6). Fitted through the origin over all tokens alike, a second token
+        looked as dear as the first for a draft model, and auto drafted it one where two were fastest. Until the
+        calls tell the first token from the others (drafts of different lengths), tokens are priced alike: c and r
+        fitted alone, r keeping its value while no recent call caught up on anything."""
         if num_tokens <= 0:
             return
         self.num_draft_samples += 1
         rate = warm_rate(self.num_draft_samples)
-        x = np.array([num_tokens, num_catch_up], dtype=float)
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        x = np.array([num_seqs, num_tokens - num_seqs, num_catch_up], dtype=float)
         self.drafter_moments = (1 - rate) * self.drafter_moments + rate * np.outer(x, [*x, seconds])
-        (a, ab), (_, b) = self.drafter_moments[:, :2]
-        y = self.drafter_moments[:, 2]
+        if not self.fit_first_token():
+            self.fit_tokens_alike()
+
+    def fit_first_token(self) -> bool:
+        """d, c and r from the moments, where the calls determine them (drafts of more than one length; r only where
+        a recent call caught up on something, else it keeps its value) and none comes out negative."""
+        gram, y = self.drafter_moments[:, :3], self.drafter_moments[:, 3]
+        terms = [0, 1, 2] if gram[2, 2] > 0 else [0, 1]
+        gram, y = gram[np.ix_(terms, terms)], y[terms]
+        diag = np.diag(gram)
+        if (diag <= 0).any() or np.linalg.det(gram) <= 1e-3 * diag.prod():
+            return False
+        fit = np.linalg.solve(gram, y)
+        if fit.min() < 0:
+            return False
+        self.per_first_draft_token, self.per_draft_token = fit[:2]
+        if len(terms) == 3:
+            self.per_catch_up_token = fit[2]
+        return True
+
+    def fit_tokens_alike(self) -> None:
+        """c (= d) and r from the moments, every draft token priced alike: x = (draft tokens, caught-up tokens)."""
+        m = self.drafter_moments
+        a = m[0, 0] + 2 * m[0, 1] + m[1, 1]
+        ab, b = m[0, 2] + m[1, 2], m[2, 2]
+        y = (m[0, 3] + m[1, 3], m[2, 3])
         det = a * b - ab * ab
         c, r = ((y[0] * b - ab * y[1]) / det, (a * y[1] - ab * y[0]) / det) if det > 1e-6 * a * b else (-1.0, -1.0)
         if c >= 0 and r >= 0:
@@ -81,6 +117,7 @@ class StepCosts:
             self.per_draft_token = self.per_catch_up_token = (y[0] + y[1]) / (a + 2 * ab + b)
         else:           # no catch-up to separate (or a fit below 0 in one term): the other term takes all of it
             self.per_draft_token = max(0.0, y[0] - ab * self.per_catch_up_token) / a
+        self.per_first_draft_token = self.per_draft_token
 
     def observe_deferred(self, num_seqs: int, seconds: float) -> None:
         """A step's deferred drafter forwards (Proposer.on_target_forward: the committed tokens of the num_seqs
@@ -94,5 +131,5 @@ class StepCosts:
     def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float) -> None:
         """A step's drafter time: propose()'s `seconds` for its draft tokens and the num_catch_up tokens it caught up
         on (c, r), and the `deferred` seconds of forwards after the step for the sequences that drafted (f)."""
-        self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up)
+        self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up, sum(map(bool, token_ids)))
         self.observe_deferred(sum(map(bool, token_ids)), deferred)
