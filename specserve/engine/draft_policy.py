@@ -154,7 +154,7 @@ class DraftPolicy:
         table = best[:len(self.costs.rows)]
         # up to LINEAR_ROWS, T is a line on a CPU (the weights' reads, then a little per row); a line fitted through
         # those points prices a verify row by their common slope instead of by two of them (best of five, T(2) - T(1)
-        # still ranged 0.4-1.8 ms over calibrations where the slope over 1-8 rows ranged 0.55-0.65)
+        # still ranged 0.4-1.8 ms over six calibrations where the slope over 1-8 rows ranged 0.46-0.70)
         small = self.costs.rows <= LINEAR_ROWS
         slope, intercept = np.polyfit(self.costs.rows[small], table[small], 1)
         if slope >= 0:
