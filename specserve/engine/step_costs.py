@@ -73,7 +73,7 @@ class StepCosts:
         draft model (its forward also takes the tokens accepted since the last call, and the call's own overhead:
         on SmolLM2 at one sequence 1.4 ms, then 0.8 ms a token) and cheaper for MTP (the first forward ran after
         the last step, in f: 0.7 ms, then 1.6). Fitted through the origin over all tokens alike, a second token
-        looked as dear as the first for a draft model, and auto drafted it one where two were fastest. Until the
+        looked as dear as the first for a draft model, and auto drafted one token where two were fastest. Until the
         calls tell the first token from the others (drafts of different lengths), tokens are priced alike: c and r
         fitted alone, r keeping its value while no recent call caught up on anything."""
         if num_tokens <= 0:
@@ -131,5 +131,6 @@ class StepCosts:
     def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float) -> None:
         """A step's drafter time: propose()'s `seconds` for its draft tokens and the num_catch_up tokens it caught up
         on (c, r), and the `deferred` seconds of forwards after the step for the sequences that drafted (f)."""
-        self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up, sum(map(bool, token_ids)))
-        self.observe_deferred(sum(map(bool, token_ids)), deferred)
+        num_seqs = sum(map(bool, token_ids))
+        self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up, num_seqs)
+        self.observe_deferred(num_seqs, deferred)
