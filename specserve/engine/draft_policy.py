@@ -7,10 +7,13 @@ given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits in expect
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + c * sum_i k_i + sum_{i: k_i > 0} (d - c + f + r * u_i / n_i),   R = decode rows (1 + k_i each)
+    S(k) = T(R) + s * L + s_c * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d - c + f + r * u_i / n_i),
+                                                                                     R = decode rows (1 + k_i each)
 
-where T is the target's forward-and-verify time at R decode rows, L the cache slots those rows attend (a row attends
-its whole context: draft token j of sequence i reads ctx_i + j slots) and s the time a row pays per slot, d the
+where T is the target's forward-and-verify time at R decode rows, L the cache slots the sequences' first decode rows
+attend (a row attends its whole context) and s the time such a row pays per slot, L_d the slots their drafts' verify
+rows attend (draft token j of sequence i reads ctx_i + j) and s_c what those pay per slot (less: they follow their
+sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), d the
 drafter's time for a sequence's first draft token and c for each one after it, f its time per sequence that drafts
 (EAGLE3's head and MTP's layers run over its committed tokens after the step, whatever the draft's length), and r its
 time per token u_i it must catch up on before drafting for sequence i again (a drafter that skips sequences held at 0:
@@ -33,11 +36,14 @@ Estimates. a_ij blends the sequence's own decayed counts with a prior, the metho
 decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by
 SEQ_DECAY per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate returns
 toward the method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat at a_1 ~
-0.22, the break-even, and stayed held for the rest of the request. T is a table over row counts of one-slot rows and s
-the difference CALIBRATION_SLOTS-slot rows make, both measured at start-up (`calibrate`: the best of
-CALIBRATION_ROUNDS interleaved rounds, T a line up to LINEAR_ROWS rows); T's table is scaled, by one factor that keeps
-its shape, after every decode-only step toward its measured time less s * L; P (the time per prompt-chunk row, from
-steps with prompt rows, so that they do not skew T) a running mean of what such steps took beyond T and s * L; d, c
+0.22, the break-even, and stayed held for the rest of the request. T is a table over row counts of one-slot rows, s
+the difference CALIBRATION_SLOTS-slot rows make and s_c the difference the same rows make as chains of
+CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of CALIBRATION_ROUNDS interleaved rounds, T at
+every row count a draft at one sequence reaches and made non-decreasing; it is no line over a few rows on a CPU: the
+weights' reads bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5);
+T's table is scaled, by one factor that keeps its shape, after every decode-only step toward its measured time less
+s * L + s_c * L_d; P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a
+running mean of what such steps took beyond T and the slots' time; d, c
 and r a least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up
 tokens over recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and
 caught-up tokens alike until a call without catch-up tells them apart: on draft tokens alone, a first call over a
@@ -66,8 +72,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.engine.step_costs import (CALIBRATION_ROUNDS, CALIBRATION_SLOTS, LINEAR_ROWS, SLOT_CALIBRATION_ROWS,
-                                          StepCosts)
+from specserve.engine.step_costs import (CALIBRATION_ROUNDS, CALIBRATION_SLOTS, CHAIN_CALIBRATION_ROWS,
+                                          SLOT_CALIBRATION_ROWS, StepCosts)
 
 PRIOR_ACCEPTANCE = 0.6          # per-position acceptance before anything is measured
 PRIOR_WEIGHT = 4.0              # W: observations the method-wide rate counts as, in a sequence's estimate
@@ -139,30 +145,34 @@ class DraftPolicy:
         return self.costs.seconds is not None
 
     def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
-        """measure(rows, slots) -> seconds of one target forward and verify at that many rows, each attending
-        `slots` cache slots (at most max_slots: what the KV cache and context limit allow)."""
-        slots, R = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS
-        points = [(int(r), 1) for r in self.costs.rows] + ([(R, slots)] if slots > 1 else [])
+        """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
+        `chain` rows each (a decode row and its draft's verify rows), a sequence's last row attending `slots` cache
+        slots (at most max_slots: what the KV cache and context limit allow)."""
+        slots, R, C = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS, CHAIN_CALIBRATION_ROWS
+        chained = slots > C
+        points = [(int(r), 1, 1) for r in self.costs.rows] + ([(R, slots, 1)] if slots > 1 else []) \
+            + ([(R, slots, C)] if chained else [])
         # the best of CALIBRATION_ROUNDS rounds over every point in turn: a row's cost at one to four rows is a few
         # percent of the step, under what a busy host moves one measurement (best of 2 in a row, T(2) - T(1) came out
         # 0 to 1.6 ms where it is 0.5 on the default model, and a verify row looked up to three times its cost)
         best = np.full(len(points), np.inf)
-        for rows, n in points:          # a first round warms up what a new process has not run yet, and is dropped
-            measure(rows, n)
+        for point in points:            # a first round warms up what a new process has not run yet, and is dropped
+            measure(*point)
         for _ in range(CALIBRATION_ROUNDS):
-            best = np.minimum(best, [measure(rows, n) for rows, n in points])
-        table = best[:len(self.costs.rows)]
-        # up to LINEAR_ROWS, T is a line on a CPU (the weights' reads, then a little per row); a line fitted through
-        # those points prices a verify row by their common slope instead of by two of them (best of five, T(2) - T(1)
-        # still ranged 0.4-1.8 ms over six calibrations where the slope over 1-8 rows ranged 0.46-0.70)
-        small = self.costs.rows <= LINEAR_ROWS
-        slope, intercept = np.polyfit(self.costs.rows[small], table[small], 1)
-        if slope >= 0:
-            table[small] = intercept + slope * self.costs.rows[small]
-        self.costs.seconds = np.maximum.accumulate(table)
-        if slots > 1:
-            one_slot = float(np.interp(R, self.costs.rows, self.costs.seconds))
-            self.costs.per_row_slot = max(0.0, (best[-1] - one_slot) / (R * (slots - 1)))
+            best = np.minimum(best, [measure(*point) for point in points])
+        # non-decreasing: a point measured below the one before it (noise, or a kernel's shape: three rows cost more
+        # than four on SmolLM2's bf16 kernel) does not make rows look free to add
+        costs, n = self.costs, len(self.costs.rows)
+        costs.seconds = np.maximum.accumulate(best[:n])
+        if slots <= 1:
+            return
+        one_slot = float(np.interp(R, costs.rows, costs.seconds))
+        costs.per_row_slot = max(0.0, (best[n] - one_slot) / (R * (slots - 1)))
+        if chained:     # R / C sequences: their first rows at s, the C - 1 after each at s_chain (T holds one slot a row at s)
+            seqs = R // C
+            first, after = seqs * (slots - C), seqs * (row_slots(slots - C, C) - (slots - C + 1))
+            extra = best[n + 1] - one_slot - costs.per_row_slot * (first - seqs * (C - 1))
+            costs.per_chain_row_slot = min(costs.per_row_slot, max(0.0, extra / after))
 
     def acceptance(self, seq_id: int, prior: np.ndarray | None = None) -> np.ndarray:
         """a_ij for j = 1..max_positions (prior: the method's rate, self.prior(), where the caller has it)."""
@@ -176,11 +186,12 @@ class DraftPolicy:
         m = self.method
         return (m.accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (m.attempted + PRIOR_WEIGHT)
 
-    def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, fixed_slots: int = 0
-               ) -> list[int]:
+    def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, fixed_slots: int = 0,
+               fixed_chain_slots: int = 0) -> list[int]:
         """Draft lengths for the candidates. fixed_rows: the step's decode rows the policy does not choose (1 per
-        decoding sequence, fixed drafts), attending fixed_slots slots in all; num_fixed_tokens: tokens the step
-        commits regardless (one per sequence that samples)."""
+        decoding sequence, fixed drafts), the first of each sequence attending fixed_slots slots in all and the
+        fixed drafts' fixed_chain_slots; num_fixed_tokens: tokens the step commits regardless (one per sequence that
+        samples)."""
         if not candidates:
             return []
         K = self.max_positions
@@ -197,7 +208,8 @@ class DraftPolicy:
         spread = catch_up / np.array([max(1, c.remaining) for c in candidates], dtype=float) + costs.per_drafting_seq \
             + (costs.per_first_draft_token - costs.per_draft_token)
         unit = float(target[1] - target[0]) + costs.per_draft_token \
-            + costs.per_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) + (spread / np.maximum(caps, 1))[:, None]
+            + costs.per_chain_row_slot * (contexts[:, None] + np.arange(1, K + 1)[None, :]) \
+            + (spread / np.maximum(caps, 1))[:, None]
         order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
         sorted_gains = gains.reshape(-1)[order]
         usable = int((sorted_gains >= 0).sum())
@@ -205,15 +217,16 @@ class DraftPolicy:
         expected = num_fixed_tokens + np.concatenate([[0.0], np.cumsum(sorted_gains[:usable])])
         # the slots each added draft token attends, in the order they are added: context + position
         added = contexts[order[:usable] // K] + order[:usable] % K + 1
-        slots = fixed_slots + np.concatenate([[0.0], np.cumsum(added)])
+        slots = np.concatenate([[0.0], np.cumsum(added)])
         first_tokens = np.where(order[:usable] % K == 0, spread[order[:usable] // K], 0.0)   # a sequence's first
-        seconds = target[:usable + 1] + costs.per_row_slot * slots + costs.per_draft_token * n \
+        seconds = target[:usable + 1] + costs.attention(fixed_slots, fixed_chain_slots + slots) \
+            + costs.per_draft_token * n \
             + np.concatenate([[0.0], np.cumsum(first_tokens)])
         best = int(np.argmax(expected / seconds))
         lengths = np.zeros(len(candidates), dtype=int)
         np.add.at(lengths, order[:best] // K, 1)
         # a probe's verify row: what one more row and its slots cost
-        verify_row = float(target[best + 1] - target[best]) + costs.per_row_slot * contexts
+        verify_row = float(target[best + 1] - target[best]) + costs.per_chain_row_slot * (contexts + 1)
         # explore: a sequence held at 0 probes one token now and then, paid from a budget of EXPLORE_SHARE of the steps'
         # time; what goes unspent is kept, up to what the longest wait between probes accrues
         step = float(seconds[best])
@@ -259,11 +272,13 @@ def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda s
 def choose_auto(policy: DraftPolicy, scheduled: list, auto: list, catch_up) -> None:
     decoding = [s for s in scheduled if s.num_new == 1]
     fixed = [1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding]
-    fixed_slots = sum(row_slots(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed))
+    fixed_slots = sum(s.seq.num_computed_tokens + 1 for s in decoding)
+    fixed_chain_slots = sum(row_slots(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed)) - fixed_slots
     num_sampling = sum(s.completes_prompt for s in scheduled)
     remaining = lambda seq: 1 << 16 if seq.params.max_tokens is None else seq.params.max_tokens - seq.num_output_tokens
     lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1, catch_up(s.seq),
-                                       remaining(s.seq)) for s in auto], sum(fixed), num_sampling, fixed_slots)
+                                       remaining(s.seq)) for s in auto], sum(fixed), num_sampling, fixed_slots,
+                          fixed_chain_slots)
     for s, k in zip(auto, lengths):
         s.num_draft_tokens = k
 
@@ -278,5 +293,8 @@ def observe_step_time(policy: DraftPolicy, scheduled: list, items: list, seconds
     if not policy.calibrated:
         return
     prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
-    decode_slots = sum(row_slots(it.start, len(it.token_ids)) for s, it in zip(scheduled, items) if s.num_new == 1)
-    policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows, seconds, decode_slots)
+    decoding = [it for s, it in zip(scheduled, items) if s.num_new == 1]
+    first_slots = sum(it.start + 1 for it in decoding)
+    chain_slots = sum(row_slots(it.start, len(it.token_ids)) for it in decoding) - first_slots
+    policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows, seconds, first_slots,
+                              chain_slots)

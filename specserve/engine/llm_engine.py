@@ -218,14 +218,14 @@ class LLMEngine:
                 self._unpark(s.seq.request_id)
         return outputs
 
-    def time_forward(self, rows: int, slots: int = 1) -> float:
-        """Seconds of one target forward and its logits at `rows` rows, decode-shaped (one token per sequence, as
-        a verify step's rows are attended), each attending `slots` cache slots: the policy's calibration, run
-        before any request holds a block (every block is free). Each row reads blocks of its own where there is room,
-        as sequences do: rows sharing one context read it from the CPU's caches (a slot then measured 0.0 us, not ~1)."""
-        per_row, num_blocks = -(-slots // self.block_manager.block_size), self.block_manager.num_blocks
-        items = [ForwardItem([(r * per_row + j) % num_blocks for j in range(per_row)], slots - 1, [0])
-                 for r in range(rows)]
+    def time_forward(self, rows: int, slots: int = 1, chain: int = 1) -> float:
+        """Seconds of one target forward and its logits at `rows` decode-shaped rows, in sequences of `chain` rows (a
+        decode row and its draft's verify rows), a sequence's last row attending `slots` cache slots: the policy's
+        calibration, before any request holds a block. Each sequence reads blocks of its own where there is room:
+        sequences sharing one context read it from the CPU's caches (a slot then measured 0.0 us, not ~1)."""
+        per_seq, num_blocks = -(-slots // self.block_manager.block_size), self.block_manager.num_blocks
+        items = [ForwardItem([(r * per_seq + j) % num_blocks for j in range(per_seq)], slots - chain, [0] * chain)
+                 for r in range(-(-rows // chain))]
         start = time.perf_counter()
         hidden, _ = self.runner.forward(items, self.proposer.aux_layers)
         self.model.compute_logits(hidden)

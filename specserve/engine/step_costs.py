@@ -1,5 +1,6 @@
 """The cost side of "auto" (engine/draft_policy.py): the target's forward-and-verify time T(R) over decode rows, the
-time s a row pays per cache slot it attends, P per prompt-chunk row, and the drafter's d per sequence's first draft
+time s a sequence's first row pays per cache slot it attends and s_chain each of its draft's verify rows, P per
+prompt-chunk row, and the drafter's d per sequence's first draft
 token, c per draft token after it, r per token caught up on and f per sequence that drafts (its forwards deferred past
 the step)."""
 from __future__ import annotations
@@ -9,11 +10,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TIME_RATE = 0.2                 # how far one measured step moves the cost table
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# every row count a draft at one sequence can reach (1 + AUTO_MAX_DRAFT_TOKENS), then sparser: T is no line over a
+# few rows (on SmolLM2 at one thread 16.4 / 18.2 / 19.8 / 18.2 / 18.3 / 19.6 / 23.6 / 29.2 ms at 1-8 rows, the
+# weights' reads, then the CPU's dot products, bound it)
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 64, 128)
 CALIBRATION_ROUNDS = 5
-LINEAR_ROWS = 8                 # T is fitted as a line up to this many rows
 CALIBRATION_SLOTS = 512         # the context of the rows that measure s
 SLOT_CALIBRATION_ROWS = 32     # enough rows that their slots' time stands out of the noise (at 8, s measured 0)
+CHAIN_CALIBRATION_ROWS = 4      # and as chains of this many rows a sequence, s_chain
 
 
 def warm_rate(count: int) -> float:
@@ -24,11 +28,12 @@ def warm_rate(count: int) -> float:
 @dataclass(slots=True)
 class StepCosts:
     """T(R) as a calibrated table over row counts (linear between points, beyond the last along its last slope) times
-    a factor measured steps correct, s, P, d, c, r, f."""
+    a factor measured steps correct, s, s_chain, P, d, c, r, f."""
     rows: np.ndarray = field(default_factory=lambda: np.array(CALIBRATION_ROWS, dtype=float))
     seconds: np.ndarray | None = None   # T at each of `rows`, as calibrated
     scale: float = 1.0                  # what measured steps make of it
-    per_row_slot: float = 0.0
+    per_row_slot: float = 0.0           # s: a decode row's time per slot it attends (each sequence's first row)
+    per_chain_row_slot: float = 0.0     # s_chain: the same for the rows after it, its draft's (the context is hot)
     per_draft_token: float = 0.0        # c: each draft token after a sequence's first
     per_first_draft_token: float = 0.0  # d: a sequence's first draft token (the call's own overhead with it)
     per_catch_up_token: float = 0.0
@@ -47,9 +52,15 @@ class StepCosts:
         r = np.asarray(rows, dtype=float)
         return np.where(r <= x[-1], np.interp(r, x, y), y[-1] + slope * (r - x[-1]))
 
-    def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float, decode_slots: int = 0) -> None:
-        """A measured target forward and verify: a decode-only one corrects T, one with prompt rows P."""
-        attention = self.per_row_slot * decode_slots
+    def attention(self, first_slots: float, chain_slots: float) -> float:
+        """The slots' time: first_slots attended by sequences' first decode rows, chain_slots by the rows after them."""
+        return self.per_row_slot * first_slots + self.per_chain_row_slot * chain_slots
+
+    def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float, decode_slots: int = 0,
+                     chain_slots: int = 0) -> None:
+        """A measured target forward and verify: a decode-only one corrects T, one with prompt rows P. decode_slots:
+        the slots the sequences' first decode rows attend, chain_slots those the rows after them attend."""
+        attention = self.attention(decode_slots, chain_slots)
         if prompt_rows == 0:
             # less the attention s accounts for; an overestimated s cannot drive the table below half of it at once
             self.observe_target(decode_rows, max(seconds - attention, 0.5 * float(self.target(decode_rows))))
