@@ -255,6 +255,12 @@ def test_calibration_keeps_each_row_counts_best_and_the_shape_of_few_rows():
     assert policy.costs.per_chain_row_slot == pytest.approx(0.8e-6, rel=1e-3)
 
 
+def test_calibration_measures_every_row_count_a_draft_at_one_sequence_reaches():
+    from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
+    from specserve.engine.step_costs import CALIBRATION_ROWS
+    assert set(range(1, AUTO_MAX_DRAFT_TOKENS + 2)) <= set(CALIBRATION_ROWS)
+
+
 def test_a_chains_cheap_rows_buy_longer_drafts():
     """At one sequence of 550 slots a k=4 verify's rows after the first cost ~0.5 of a separate row's per slot
     (SmolLM2 at one thread): priced as separate rows they would hold a 0.6-acceptance draft shorter."""

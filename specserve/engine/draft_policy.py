@@ -7,12 +7,12 @@ given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits in expect
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + s_c * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d - c + f + r * u_i / n_i),
+    S(k) = T(R) + s * L + s_chain * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d - c + f + r * u_i / n_i),
                                                                                      R = decode rows (1 + k_i each)
 
 where T is the target's forward-and-verify time at R decode rows, L the cache slots the sequences' first decode rows
 attend (a row attends its whole context) and s the time such a row pays per slot, L_d the slots their drafts' verify
-rows attend (draft token j of sequence i reads ctx_i + j) and s_c what those pay per slot (less: they follow their
+rows attend (draft token j of sequence i reads ctx_i + j) and s_chain what those pay per slot (less: they follow their
 sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), d the
 drafter's time for a sequence's first draft token and c for each one after it, f its time per sequence that drafts
 (EAGLE3's head and MTP's layers run over its committed tokens after the step, whatever the draft's length), and r its
@@ -37,12 +37,12 @@ decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W)
 SEQ_DECAY per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate returns
 toward the method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat at a_1 ~
 0.22, the break-even, and stayed held for the rest of the request. T is a table over row counts of one-slot rows, s
-the difference CALIBRATION_SLOTS-slot rows make and s_c the difference the same rows make as chains of
+the difference CALIBRATION_SLOTS-slot rows make and s_chain the difference the same rows make as chains of
 CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of CALIBRATION_ROUNDS interleaved rounds, T at
 every row count a draft at one sequence reaches and made non-decreasing; it is no line over a few rows on a CPU: the
 weights' reads bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5);
 T's table is scaled, by one factor that keeps its shape, after every decode-only step toward its measured time less
-s * L + s_c * L_d; P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a
+s * L + s_chain * L_d; P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a
 running mean of what such steps took beyond T and the slots' time; d, c
 and r a least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up
 tokens over recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and
@@ -154,7 +154,7 @@ class DraftPolicy:
             + ([(R, slots, C)] if chained else [])
         # the best of CALIBRATION_ROUNDS rounds over every point in turn: a row's cost at one to four rows is a few
         # percent of the step, under what a busy host moves one measurement (best of 2 in a row, T(2) - T(1) came out
-        # 0 to 1.6 ms where it is 0.5 on the default model, and a verify row looked up to three times its cost)
+        # 0 to 1.6 ms from one start-up to the next, and a verify row looked up to three times its cost)
         best = np.full(len(points), np.inf)
         for point in points:            # a first round warms up what a new process has not run yet, and is dropped
             measure(*point)
