@@ -168,10 +168,9 @@ class DraftPolicy:
             return
         one_slot = float(np.interp(R, costs.rows, costs.seconds))
         costs.per_row_slot = max(0.0, (best[n] - one_slot) / (R * (slots - 1)))
-        if chained:     # R / C sequences: their first rows at s, the C - 1 after each at s_chain (T holds one slot a row at s)
-            seqs = R // C
-            first, after = seqs * (slots - C), seqs * (row_slots(slots - C, C) - (slots - C + 1))
-            extra = best[n + 1] - one_slot - costs.per_row_slot * (first - seqs * (C - 1))
+        if chained:     # R / C sequences: first rows at s, the C - 1 after each at s_chain (T holds a slot a row at s)
+            first, after = chain_slots([(slots - C, C)] * (R // C))
+            extra = best[n + 1] - one_slot - costs.per_row_slot * (first - R)
             costs.per_chain_row_slot = min(costs.per_row_slot, max(0.0, extra / after))
 
     def acceptance(self, seq_id: int, prior: np.ndarray | None = None) -> np.ndarray:
@@ -272,13 +271,11 @@ def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda s
 def choose_auto(policy: DraftPolicy, scheduled: list, auto: list, catch_up) -> None:
     decoding = [s for s in scheduled if s.num_new == 1]
     fixed = [1 + (0 if s.seq.params.auto_draft else s.num_draft_tokens) for s in decoding]
-    fixed_slots = sum(s.seq.num_computed_tokens + 1 for s in decoding)
-    fixed_chain_slots = sum(row_slots(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed)) - fixed_slots
     num_sampling = sum(s.completes_prompt for s in scheduled)
     remaining = lambda seq: 1 << 16 if seq.params.max_tokens is None else seq.params.max_tokens - seq.num_output_tokens
     lengths = policy.choose([Candidate(s.seq.seq_id, s.num_draft_tokens, s.seq.num_computed_tokens + 1, catch_up(s.seq),
-                                       remaining(s.seq)) for s in auto], sum(fixed), num_sampling, fixed_slots,
-                          fixed_chain_slots)
+                                       remaining(s.seq)) for s in auto], sum(fixed), num_sampling,
+                          *chain_slots([(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed)]))
     for s, k in zip(auto, lengths):
         s.num_draft_tokens = k
 
@@ -288,13 +285,16 @@ def row_slots(start: int, rows: int) -> int:
     return rows * start + rows * (rows + 1) // 2
 
 
+def chain_slots(chains: list[tuple[int, int]]) -> tuple[int, int]:
+    """Over (start, rows) sequences: the slots their first rows (from slot `start`) attend, and the rows after them."""
+    first = sum(start + 1 for start, _ in chains)
+    return first, sum(row_slots(start, rows) for start, rows in chains) - first
+
+
 def observe_step_time(policy: DraftPolicy, scheduled: list, items: list, seconds: float) -> None:
     """A step's measured target forward and verify (its ForwardItems, in `scheduled` order), for the cost model."""
     if not policy.calibrated:
         return
     prompt_rows = sum(s.num_new for s in scheduled if s.num_new > 1)
-    decoding = [it for s, it in zip(scheduled, items) if s.num_new == 1]
-    first_slots = sum(it.start + 1 for it in decoding)
-    chain_slots = sum(row_slots(it.start, len(it.token_ids)) for it in decoding) - first_slots
-    policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows, seconds, first_slots,
-                              chain_slots)
+    first, after = chain_slots([(it.start, len(it.token_ids)) for s, it in zip(scheduled, items) if s.num_new == 1])
+    policy.costs.observe_step(sum(len(it.token_ids) for it in items) - prompt_rows, prompt_rows, seconds, first, after)
