@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from specserve.config import demo_model_dir
-from specserve.engine.draft_policy import EXPLORE_SHARE, MAX_BACKOFF, PROBE_EVERY, Candidate, DraftPolicy
+from specserve.engine.draft_policy import (EXPLORE_SHARE, MAX_BACKOFF, MIN_EXPLORE_FRACTION, PROBE_EVERY, Candidate,
+                                          DraftPolicy)
 from specserve.engine.step_costs import StepCosts
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -168,6 +169,32 @@ def test_probes_cost_at_most_their_share_of_the_time_at_any_load():
     assert probes == [4]
     probes, spent, total = run(32, lambda step: 300, 200)
     assert sum(probes) > 0 and spent <= EXPLORE_SHARE * total * 1.05 and min(probes) < 2
+
+
+def test_probes_that_release_nothing_spend_a_smaller_share_and_one_that_does_restores_it():
+    """On text no drafter predicts every probe is lost (~1.5% of the steps' time: auto ran 0.98x of k=0 on its own
+    server). The share probes may spend follows the rate at which a probe got its sequence drafted the step after."""
+    policy = policy_with(lambda rows: 0.010 + 0.0002 * rows, {})
+    policy.method.attempted[:] = 1e6                                       # a method that lands nothing: all held
+    def run(steps: int, accept: int, first_id: int = 0) -> tuple[float, float, int]:
+        spent = total = released = 0.0
+        for step in range(steps):
+            cands = [Candidate(first_id + i, 8, context=300, remaining=500) for i in range(16)]
+            lengths = policy.choose(cands, fixed_rows=16, num_fixed_tokens=16)
+            total += float(policy.costs.target(16))
+            for c, k in zip(cands, lengths):
+                if k:
+                    spent += float(policy.costs.target(17) - policy.costs.target(16))
+                    released += c.seq_id not in policy.probed                # drafted, not probed
+                    for _ in range(8 if accept else 1):
+                        policy.observe(c.seq_id, 1, accept)
+        return spent, total, int(released)
+    run(400, accept=0)                                                    # the record fills with lost probes
+    assert policy.probe_yield([], np.zeros(0)) == MIN_EXPLORE_FRACTION
+    spent, total, _ = run(800, accept=0)
+    assert 0 < spent <= MIN_EXPLORE_FRACTION * EXPLORE_SHARE * total * 1.1
+    _, _, released = run(400, accept=1, first_id=100)                     # text turns predictable: probes release
+    assert released > 0 and policy.probe_yield([], np.zeros(0)) == 1.0
 
 
 def test_a_cost_per_drafting_sequence_buys_longer_drafts_than_the_same_cost_per_token():

@@ -55,11 +55,11 @@ MAX_BACKOFF steps, because a probe is not free: a verify row over the whole cont
 sequences of text no drafter predicts made an idle drafter cost several percent of plain decoding's speed. So probes
 are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them) accrues as credit, and a
 due probe is made when the credit covers its cost (its catch-up r * u_i, its verify row, its draft token d, f).
-Exploration then costs at most that share, at any load. (Allowed only while the whole catch-up cost no more than the
-probe's verify row, a held EAGLE3 or MTP sequence, whose catch-up grows by a token a step, stopped probing for good
-after 16 steps, and a method whose first requests went badly was never drafted again. Allowed while the catch-up
-spread over the tokens still to come cost no more than a verify row, probes at 32 sequences of random text cost the
-draft model 8%: each caught up on a whole prompt.)
+Exploration then costs at most that share, at any load (a budget per probe that paid only the probe's verify row
+stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost the draft model 8% at
+32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at which a probe got
+its sequence drafted the step after, capped at 1 and floored at MIN_EXPLORE_FRACTION: on text no drafter predicts,
+every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of k=0 on its own server.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's verify
 costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec (draft lengths
@@ -68,12 +68,12 @@ from measured step times). The choice only changes what is drafted, never what i
 lengths it picks."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from specserve.engine.step_costs import (CALIBRATION_ROUNDS, CALIBRATION_SLOTS, CHAIN_CALIBRATION_ROWS,
-                                          SLOT_CALIBRATION_ROWS, StepCosts)
+                                          SLOT_CALIBRATION_ROWS, StepCosts, chain_slots)
 
 PRIOR_ACCEPTANCE = 0.6          # per-position acceptance before anything is measured
 PRIOR_WEIGHT = 4.0              # W: observations the method-wide rate counts as, in a sequence's estimate
@@ -83,6 +83,8 @@ METHOD_DECAY = 0.995
 PROBE_EVERY = 16
 EXPLORE_SHARE = 0.02            # of the time steps take, what probes may spend
 MAX_BACKOFF = 3                 # the wait between failed probes doubles at most this many times (16 -> 128 steps)
+PROBE_YIELD_DECAY = 0.95        # the probes' record decays by this per probe
+MIN_EXPLORE_FRACTION = 0.125    # of EXPLORE_SHARE, what probes that release nothing may still spend
 
 
 @dataclass(slots=True)
@@ -106,19 +108,6 @@ class Acceptance:
 
 
 @dataclass(slots=True)
-class DraftGauges:
-    """Over recent decode steps (decayed): the mean draft length chosen per decoding sequence, and the
-    fraction of decoding sequences that drafted."""
-    mean_draft_length: float = 0.0
-    drafting_fraction: float = 0.0
-
-    def observe(self, lengths: list[int], rate: float = 0.2) -> None:
-        if lengths:
-            self.mean_draft_length += rate * (sum(lengths) / len(lengths) - self.mean_draft_length)
-            self.drafting_fraction += rate * (sum(k > 0 for k in lengths) / len(lengths) - self.drafting_fraction)
-
-
-@dataclass(slots=True)
 class Candidate:
     """A decoding sequence the policy chooses for: its id, the most it may draft this step, the slots its last
     token's row attends (its draft token j attends context + j), and the tokens the drafter must catch up on
@@ -138,6 +127,8 @@ class DraftPolicy:
         self.idle_steps: dict[int, int] = {}
         self.failed_probes: dict[int, int] = {}     # drafts in a row that landed nothing, per sequence
         self.explore_credit = 0.0                   # seconds the next probes may cost
+        self.probed: set[int] = set()               # the sequences probed in the last step
+        self.probe_record = np.zeros(2)             # decayed: probes made, and those the next step drafted after
         self.costs = StepCosts()
 
     @property
@@ -228,9 +219,8 @@ class DraftPolicy:
         verify_row = float(target[best + 1] - target[best]) + costs.per_chain_row_slot * (contexts + 1)
         # explore: a sequence held at 0 probes one token now and then, paid from a budget of EXPLORE_SHARE of the steps'
         # time; what goes unspent is kept, up to what the longest wait between probes accrues
-        step = float(seconds[best])
-        self.explore_credit = min(self.explore_credit + EXPLORE_SHARE * step,
-                                  EXPLORE_SHARE * step * (PROBE_EVERY << MAX_BACKOFF))
+        share = EXPLORE_SHARE * self.probe_yield(candidates, lengths) * float(seconds[best])
+        self.explore_credit = min(self.explore_credit + share, share * (PROBE_EVERY << MAX_BACKOFF))
         probe_cost = catch_up + verify_row + costs.per_first_draft_token + costs.per_drafting_seq
         for i, c in enumerate(candidates):
             idle = self.idle_steps.get(c.seq_id, 0) + 1 if lengths[i] == 0 else 0
@@ -238,10 +228,21 @@ class DraftPolicy:
                     and probe_cost[i] <= self.explore_credit:
                 lengths[i], idle = 1, 0
                 self.explore_credit -= probe_cost[i]
+                self.probed.add(c.seq_id)
             if idle and (own := self.seqs.get(c.seq_id)) is not None:
                 own.decay(IDLE_DECAY)
             self.idle_steps[c.seq_id] = idle
         return lengths.tolist()
+
+    def probe_yield(self, candidates: list[Candidate], lengths: np.ndarray) -> float:
+        """What share of EXPLORE_SHARE probes may spend: 2x the (Laplace) rate at which a recent probe got its sequence
+        drafted the step after it, at most 1 and at least MIN_EXPLORE_FRACTION. Records the last step's probes."""
+        for c, k in zip(candidates, lengths):
+            if c.seq_id in self.probed:
+                self.probe_record = self.probe_record * PROBE_YIELD_DECAY + (1.0, float(k > 0))
+        self.probed = set()
+        made, released = self.probe_record
+        return max(MIN_EXPLORE_FRACTION, min(1.0, 2 * (released + 1) / (made + 2)))
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
@@ -278,17 +279,6 @@ def choose_auto(policy: DraftPolicy, scheduled: list, auto: list, catch_up) -> N
                           *chain_slots([(s.seq.num_computed_tokens, n) for s, n in zip(decoding, fixed)]))
     for s, k in zip(auto, lengths):
         s.num_draft_tokens = k
-
-
-def row_slots(start: int, rows: int) -> int:
-    """Cache slots `rows` decode-shaped rows from slot `start` attend in all (row r reads start + r + 1)."""
-    return rows * start + rows * (rows + 1) // 2
-
-
-def chain_slots(chains: list[tuple[int, int]]) -> tuple[int, int]:
-    """Over (start, rows) sequences: the slots their first rows (from slot `start`) attend, and the rows after them."""
-    first = sum(start + 1 for start, _ in chains)
-    return first, sum(row_slots(start, rows) for start, rows in chains) - first
 
 
 def observe_step_time(policy: DraftPolicy, scheduled: list, items: list, seconds: float) -> None:

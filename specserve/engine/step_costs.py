@@ -145,3 +145,14 @@ class StepCosts:
         num_seqs = sum(map(bool, token_ids))
         self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up, num_seqs)
         self.observe_deferred(num_seqs, deferred)
+
+
+def row_slots(start: int, rows: int) -> int:
+    """Cache slots `rows` decode-shaped rows from slot `start` attend in all (row r reads start + r + 1)."""
+    return rows * start + rows * (rows + 1) // 2
+
+
+def chain_slots(chains: list[tuple[int, int]]) -> tuple[int, int]:
+    """Over (start, rows) sequences: the slots their first rows (from slot `start`) attend, and the rows after them."""
+    first = sum(start + 1 for start, _ in chains)
+    return first, sum(row_slots(start, rows) for start, rows in chains) - first
