@@ -190,11 +190,11 @@ def test_probes_that_release_nothing_spend_a_smaller_share_and_one_that_does_res
                         policy.observe(c.seq_id, 1, accept)
         return spent, total, int(released)
     run(400, accept=0)                                                    # the record fills with lost probes
-    assert policy.probe_yield([], np.zeros(0)) == MIN_EXPLORE_FRACTION
+    assert policy.explore_fraction == MIN_EXPLORE_FRACTION
     spent, total, _ = run(800, accept=0)
     assert 0 < spent <= MIN_EXPLORE_FRACTION * EXPLORE_SHARE * total * 1.1
     _, _, released = run(400, accept=1, first_id=100)                     # text turns predictable: probes release
-    assert released > 0 and policy.probe_yield([], np.zeros(0)) == 1.0
+    assert released > 0 and policy.explore_fraction == 1.0
 
 
 def test_a_cost_per_drafting_sequence_buys_longer_drafts_than_the_same_cost_per_token():

@@ -219,7 +219,8 @@ class DraftPolicy:
         verify_row = float(target[best + 1] - target[best]) + costs.per_chain_row_slot * (contexts + 1)
         # explore: a sequence held at 0 probes one token now and then, paid from a budget of EXPLORE_SHARE of the steps'
         # time; what goes unspent is kept, up to what the longest wait between probes accrues
-        share = EXPLORE_SHARE * self.probe_yield(candidates, lengths) * float(seconds[best])
+        self.record_probes(candidates, lengths)
+        share = EXPLORE_SHARE * self.explore_fraction * float(seconds[best])
         self.explore_credit = min(self.explore_credit + share, share * (PROBE_EVERY << MAX_BACKOFF))
         probe_cost = catch_up + verify_row + costs.per_first_draft_token + costs.per_drafting_seq
         for i, c in enumerate(candidates):
@@ -234,15 +235,19 @@ class DraftPolicy:
             self.idle_steps[c.seq_id] = idle
         return lengths.tolist()
 
-    def probe_yield(self, candidates: list[Candidate], lengths: np.ndarray) -> float:
+    @property
+    def explore_fraction(self) -> float:
         """What share of EXPLORE_SHARE probes may spend: 2x the (Laplace) rate at which a recent probe got its sequence
-        drafted the step after it, at most 1 and at least MIN_EXPLORE_FRACTION. Records the last step's probes."""
+        drafted the step after it, at most 1 and at least MIN_EXPLORE_FRACTION."""
+        made, released = self.probe_record
+        return max(MIN_EXPLORE_FRACTION, min(1.0, 2 * (released + 1) / (made + 2)))
+
+    def record_probes(self, candidates: list[Candidate], lengths: np.ndarray) -> None:
+        """The last step's probes, each released or not by this step's choice (`lengths`) for its sequence."""
         for c, k in zip(candidates, lengths):
             if c.seq_id in self.probed:
                 self.probe_record = self.probe_record * PROBE_YIELD_DECAY + (1.0, float(k > 0))
         self.probed = set()
-        made, released = self.probe_record
-        return max(MIN_EXPLORE_FRACTION, min(1.0, 2 * (released + 1) / (made + 2)))
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
