@@ -269,7 +269,7 @@ def test_tree_nodes_see_only_their_ancestors(eagle, root_at_catch_up):
     while seq.num_output_tokens < 5 or seq.num_computed_tokens % 16 == 0:     # the last token's slot exists
         engine.step()
     state = proposer.states[seq.seq_id]
-    assert state.pending                    # not drafting: the head has not run over its latest tokens
+    assert state.num_pending                # not drafting: the head has not run over its latest tokens
     proposer._catch_up([(seq, state)])      # as propose() does first
     assert state.root is not None and not state.pending and state.num_computed == seq.num_computed_tokens
     if not root_at_catch_up:
@@ -328,6 +328,33 @@ def test_head_cache_after_rejections_and_prefix_hits_equals_a_fresh_run(target):
         assert seq.spec.num_accepted_tokens < seq.spec.num_draft_tokens, "no rejection to catch up after"
         assert_head_cache_is_fresh(engine, seq)
         engine.abort(seq.request_id)
+
+
+@pytest.mark.parametrize("raw_rows", [1, 8, 10 ** 6])
+def test_states_held_before_fc_give_the_head_cache_of_a_fresh_run(target, raw_rows, monkeypatch):
+    """A sequence that drafts nothing keeps the target's states as they are until RAW_ROWS of them wait (fc then
+    applies to them), so its pending rows mix fc outputs and raw states; the catch-up over them writes what a fresh
+    run writes, and a later request restarting from its blocks' tails drafts plain decoding's output."""
+    monkeypatch.setattr("specserve.drafting.eagle3.RAW_ROWS", raw_rows)
+    llm = LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="eagle3")
+    engine, proposer = llm.engine, llm.engine.proposer
+    prompt = llm.tokenizer.encode(TEXT[:200])
+    seq = engine.add_request(prompt, greedy(30, num_assistant_tokens=0))
+    while seq.num_output_tokens < 29:
+        engine.step()
+    state = proposer.states[seq.seq_id]
+    held = {1: 0, 8: (state.num_pending - len(prompt)) % 8, 10 ** 6: state.num_pending}[raw_rows]   # the prompt fed at once
+    assert len(prompt) < state.num_pending and state.num_raw == held
+    proposer._catch_up([(seq, state)])
+    assert state.num_raw == 0 and not state.raw and not state.pending
+    assert_head_cache_is_fresh(engine, seq)
+    while engine.has_unfinished():
+        engine.step()
+    again = engine.add_request(prompt + llm.tokenizer.encode(" Whether 'tis nobler"), greedy(24, num_assistant_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    assert again.num_cached_tokens >= 32 and again.spec.num_draft_tokens > 0
+    assert again.output_token_ids == ids(llm.generate([again.token_ids[:again.num_prompt_tokens]], greedy(24)))[0]
 
 
 def test_head_restarts_past_blocks_cached_without_it(target, plain):

@@ -27,7 +27,7 @@ from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_T
 from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now,
                                          keep_block_tails, restart_at, restart_tail, timed)
 from specserve.drafting.eagle3_check import check_acceptance
-from specserve.drafting.tree import GrowingTree, check_tree_shape
+from specserve.drafting.tree import GrowingTree, check_tree_shape, grammar_filtered
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
 from specserve.models.packing import pack_for_inference
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
@@ -35,13 +35,19 @@ from specserve.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+# a sequence's committed target states wait as they are until the head runs over them or there are this many: then
+# fc applies to them, with every other such sequence's, in one forward
+RAW_ROWS = 64
+
 @dataclass(slots=True)
 class HeadState:
     num_computed: int                      # head slots [1, num_computed) hold K/V (== seq.num_drafter_computed)
     tail: torch.Tensor | None              # [H] fc(target states) at num_computed - 1: what the next slot reads
     root: torch.Tensor | None = None       # [H] the head's output at slot num_computed (the last token), once run
     pending: list[torch.Tensor] = field(default_factory=list)   # fc(target states) from num_computed, not run
-    num_pending: int = 0                   # their rows, counted as they come (read for every sequence every step)
+    raw: list[torch.Tensor] = field(default_factory=list)       # the target's states after those, fc not applied
+    num_pending: int = 0                   # rows of both, counted as they come (read for every sequence every step)
+    num_raw: int = 0
 
 
 class Eagle3Proposer(Proposer):
@@ -67,7 +73,7 @@ class Eagle3Proposer(Proposer):
         self.dtype, self.device = ctx.dtype, ctx.device
         self.runner = ModelRunner(self.head, 1, c.num_key_value_heads, c.head_dim, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
-        self.block_tails = torch.zeros(self.num_blocks, c.hidden_size, dtype=self.dtype, device=self.device)
+        self.block_tails = torch.zeros(self.num_blocks, self.head.fc.in_features, dtype=self.dtype, device=self.device)
         self.states: dict[int, HeadState] = {}
         self.drafted: set[int] = set()         # sequences that drafted in the step under way
         written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"
@@ -81,8 +87,9 @@ class Eagle3Proposer(Proposer):
 
     @classmethod
     def kv_bytes_per_token(cls, path: Path | None, ctx: DrafterContext) -> int:
-        c = Eagle3Config.from_pretrained(path).layer
-        tail_bytes = c.hidden_size * torch.empty((), dtype=ctx.dtype).element_size()
+        config = Eagle3Config.from_pretrained(path)
+        c = config.layer
+        tail_bytes = 3 * config.target_hidden_size * torch.empty((), dtype=ctx.dtype).element_size()  # fc's input
         kv_bytes = kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
         return kv_bytes + -(-tail_bytes // ctx.block_size)
 
@@ -113,7 +120,7 @@ class Eagle3Proposer(Proposer):
             return state
         start = restart_at(seq, first_row)
         tail = restart_tail(self.block_tails, seq, self.block_size)
-        return HeadState(0, None) if start == 0 else None if tail is None else HeadState(start, tail)
+        return HeadState(0, None) if start == 0 else None if tail is None else HeadState(start, self.head.fc(tail[None])[0])
 
     @staticmethod
     def _item(seq: Sequence, *fields) -> ForwardItem:       # the head reads its cache from slot 1 or drafter_start
@@ -121,8 +128,9 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> float:
-        """Take the step's committed target states (fc applied); the head runs over them when `catch_up_now` says:
-        a sequence the policy holds at 0 costs one fc row a token, not a head forward over every token."""
+        """Take the step's committed target states; the head runs over them when `catch_up_now` says, fc then or
+        at RAW_ROWS: a sequence the policy holds at 0 costs a copy of its rows, not fc over a decode step's few rows
+        (reading fc's weight each step, half of what an idle head cost a step at 8 sequences) nor a head forward."""
         work, rows = [], []
         for seq, seq_rows in zip(seqs, hidden.rows):
             if seq.is_finished or not seq_rows:
@@ -136,19 +144,30 @@ class Eagle3Proposer(Proposer):
         catch_up = []
         if work:
             rows_t = torch.tensor(rows, device=hidden.final.device)
-            fed_all = self.head.fc(torch.cat([hidden.aux[j][rows_t] for j in self.aux_order], dim=-1).to(self.dtype))
-            for (seq, state, n), fed in zip(work, fed_all.split([n for _, _, n in work])):
-                keep_block_tails(self.block_tails, seq, state.num_computed + state.num_pending, fed, self.block_size)
-                state.pending.append(fed)
-                state.num_pending += len(fed)
+            raw_all = torch.cat([hidden.aux[j][rows_t] for j in self.aux_order], dim=-1).to(self.dtype)
+            for (seq, state, n), raw in zip(work, raw_all.split([n for _, _, n in work])):
+                keep_block_tails(self.block_tails, seq, state.num_computed + state.num_pending, raw, self.block_size)
+                state.raw.append(raw)
+                state.num_pending += n
+                state.num_raw += n
                 self.states[seq.seq_id] = state
                 if catch_up_now(seq, state.num_pending, self.drafted):
                     catch_up.append((seq, state))
+            self._apply_fc([state for _, state, _ in work if state.num_raw >= RAW_ROWS])
         self.drafted = set()
         return timed(self._catch_up, catch_up)
 
+    def _apply_fc(self, states: list[HeadState]) -> None:
+        """fc over the states' raw rows, in one forward."""
+        if states := [state for state in states if state.raw]:
+            fed_all = self.head.fc(torch.cat([row for state in states for row in state.raw]))
+            for state, fed in zip(states, fed_all.split([state.num_raw for state in states])):
+                state.pending.append(fed)
+                state.raw, state.num_raw = [], 0
+
     def _catch_up(self, work: list[tuple[Sequence, HeadState]]) -> None:
         """The head over each sequence's pending slots, and its last token's (the next root) where its block exists."""
+        self._apply_fc([state for _, state in work])
         items, inputs, owners = [], [], []
         for seq, state in work:
             fed = torch.cat(state.pending)
@@ -181,7 +200,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         trees: dict[int, GrowingTree] = {}
         self._catch_up([(seq, state) for seq in seqs if (state := self.states.get(seq.seq_id)) is not None
-                        and state.pending and state.num_computed == seq.num_drafter_computed])
+                        and state.num_pending and state.num_computed == seq.num_drafter_computed])
         self.drafted = {seq.seq_id for seq in seqs}
         for i, (seq, k) in enumerate(zip(seqs, num_draft_tokens)):
             state = self.states.get(seq.seq_id)
@@ -221,7 +240,8 @@ class Eagle3Proposer(Proposer):
         while True:
             logp = torch.log_softmax(self.head.draft_logits(hidden).float(), dim=-1)                # [m, Vd]
             if any(seqs[i].grammar is not None for i in owners):
-                logp = self._follow_grammar(logp, seqs, trees, owners, parents)
+                logp = grammar_filtered(logp, self.head.target_ids(torch.arange(logp.shape[-1], device=logp.device)),
+                                        [seqs[i].grammar for i in owners], [trees[i] for i in owners], parents)
             width = min(max(trees[i].branching for i in owners), logp.shape[-1])
             top = logp.topk(width, dim=-1)
             tokens = self.head.target_ids(top.indices).tolist()
@@ -236,24 +256,6 @@ class Eagle3Proposer(Proposer):
             hidden = self._feed(seqs, trees, expand, tables, level)
             owners, parents = [i for i, _ in expand], [j for _, j in expand]
             level += 1
-
-    def _follow_grammar(self, logp: torch.Tensor, seqs: list[Sequence], trees: dict[int, GrowingTree],
-                        owners: list[int], parents: list[int]) -> torch.Tensor:
-        """logp [m, Vd] without the children a request's grammar forbids after their parent's path: the tree
-        grows only acceptable nodes."""
-        target = self.head.target_ids(torch.arange(logp.shape[-1], device=logp.device)).cpu()     # [Vd]
-        logp = logp.clone()
-        for r, (i, parent) in enumerate(zip(owners, parents)):
-            grammar, tree = seqs[i].grammar, trees[i]
-            if grammar is None:
-                continue
-            path, node = [], parent
-            while node >= 0:
-                path.append(tree.tokens[node])
-                node = tree.parents[node]
-            allowed = grammar.allowed([path[::-1]])[0][target].to(logp.device)
-            logp[r] = logp[r].masked_fill(~allowed, float("-inf"))
-        return logp
 
     def _feed(self, seqs: list[Sequence], trees: dict[int, GrowingTree], expand: list[tuple[int, int]],
               tables: dict[int, list[int]], level: int) -> torch.Tensor:

@@ -13,6 +13,24 @@ import torch
 MAX_TREE_NODES = 1024
 
 
+def grammar_filtered(logp: torch.Tensor, target_ids: torch.Tensor, grammars: list, trees: list, parents: list[int]
+                     ) -> torch.Tensor:
+    """logp [m, Vd] (row r: the children of node parents[r] of trees[r]; target_ids [Vd]: the target token of each
+    draft token) without the children a request's grammar (grammars[r], None: none) forbids after their parent's
+    path: the tree grows only acceptable nodes."""
+    target_ids, logp = target_ids.cpu(), logp.clone()
+    for r, (grammar, tree, parent) in enumerate(zip(grammars, trees, parents)):
+        if grammar is None:
+            continue
+        path, node = [], parent
+        while node >= 0:
+            path.append(tree.tokens[node])
+            node = tree.parents[node]
+        allowed = grammar.allowed([path[::-1]])[0][target_ids].to(logp.device)
+        logp[r] = logp[r].masked_fill(~allowed, float("-inf"))
+    return logp
+
+
 def check_tree_shape(b: int, depth: int, k: int, auto: bool, draft_vocab_size: int) -> None:
     """A request's tree options against its draft length k (a fixed k must fit in the tree; "auto" chooses
     within it) and the drafter's draft vocabulary; ValueError names the offending option."""
