@@ -3,11 +3,11 @@
 The head's paged KV cache shares the target's block tables. Slot j holds the head's entry for
 (fc(target states at j-1), token j) at rotary position j-1, whose output predicts token j+1; slot 0
 holds nothing and is masked. A slot therefore depends only on tokens up to its own, so full blocks
-are valid prefix-cache entries for the head too; the fc(states) at the last slot of every full block
-(`block_tails`) lets a cache hit resume where a miss would, or restart past blocks cached without the
-head's K/V (`proposer.restart_at`: slots before seq.drafter_start masked too). The head takes each target
-forward's committed fc(states) and runs over them (keeping `tail`, what its next slot reads) as
-`proposer.catch_up_now` says.
+are valid prefix-cache entries for the head too; the target's states at the last slot of every full block
+(`block_tails`, fc applied at a restart) let a cache hit resume where a miss would, or restart past blocks
+cached without the head's K/V (`proposer.restart_at`: slots before seq.drafter_start masked too). The head
+takes each target forward's committed states and runs over them (keeping `tail`, what its next slot reads)
+as `proposer.catch_up_now` says.
 
 A draft is a tree grown level by level (a chain is the tree with branching 1 and depth k): the root
 forward runs the last token from the tail; a drafted node feeds the head its parent's pre-norm output
