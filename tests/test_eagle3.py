@@ -333,7 +333,7 @@ def test_head_cache_after_rejections_and_prefix_hits_equals_a_fresh_run(target):
 @pytest.mark.parametrize("raw_rows", [1, 8, 10 ** 6])
 def test_states_held_before_fc_give_the_head_cache_of_a_fresh_run(target, raw_rows, monkeypatch):
     """A sequence that drafts nothing keeps the target's states as they are until RAW_ROWS of them wait (fc then
-    applies to them), so its pending rows mix fc outputs and raw states; the catch-up over them writes what a fresh
+    applies to them), so it holds rows after fc and newer raw ones; the catch-up over them writes what a fresh
     run writes, and a later request restarting from its blocks' tails drafts plain decoding's output."""
     monkeypatch.setattr("specserve.drafting.eagle3.RAW_ROWS", raw_rows)
     llm = LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="eagle3")
