@@ -73,7 +73,7 @@ class Eagle3Proposer(Proposer):
         self.dtype, self.device = ctx.dtype, ctx.device
         self.runner = ModelRunner(self.head, 1, c.num_key_value_heads, c.head_dim, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
-        self.block_tails = torch.zeros(self.num_blocks, self.head.fc.in_features, dtype=self.dtype, device=self.device)
+        self.block_tails = torch.zeros(self.num_blocks, self.config.states_width, dtype=self.dtype, device=self.device)
         self.states: dict[int, HeadState] = {}
         self.drafted: set[int] = set()         # sequences that drafted in the step under way
         written = "default" if self.config.aux_layer_ids is None else f"ids {self.config.aux_layer_ids} in its config"
@@ -89,7 +89,7 @@ class Eagle3Proposer(Proposer):
     def kv_bytes_per_token(cls, path: Path | None, ctx: DrafterContext) -> int:
         config = Eagle3Config.from_pretrained(path)
         c = config.layer
-        tail_bytes = 3 * config.target_hidden_size * torch.empty((), dtype=ctx.dtype).element_size()  # fc's input
+        tail_bytes = config.states_width * torch.empty((), dtype=ctx.dtype).element_size()
         kv_bytes = kv_cache_bytes_per_token(1, c.num_key_value_heads, c.head_dim, ctx.dtype, ctx.device)
         return kv_bytes + -(-tail_bytes // ctx.block_size)
 

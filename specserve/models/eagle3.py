@@ -36,6 +36,11 @@ class Eagle3Config:
     aux_layer_ids: list[int] | None        # as written by the tool that trained the head
     norm_before_residual: bool = False
 
+    @property
+    def states_width(self) -> int:
+        """fc's input: the three target states a slot reads, side by side."""
+        return 3 * self.target_hidden_size
+
     @classmethod
     def from_dict(cls, d: dict) -> Eagle3Config:
         if d.get("num_hidden_layers", 1) != 1:
@@ -144,7 +149,7 @@ class Eagle3Head(nn.Module):
         c = config.layer
         self.config = config
         self.embed_tokens = embed_tokens       # usually the target's own module, attached after loading
-        self.fc = nn.Linear(3 * config.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(config.states_width, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c, config.norm_before_residual)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
