@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from specserve.config import demo_model_dir
+from specserve.engine import draft_policy
 from specserve.engine.draft_policy import (EXPLORE_SHARE, MAX_BACKOFF, MIN_EXPLORE_FRACTION, PROBE_EVERY, Candidate,
                                           DraftPolicy)
 from specserve.engine.step_costs import StepCosts
@@ -197,6 +198,38 @@ def test_probes_that_release_nothing_spend_a_smaller_share_and_one_that_does_res
     assert released > 0 and policy.explore_fraction == 1.0
 
 
+def test_a_batch_held_whole_repeats_its_choice_with_the_same_probes_and_decay(monkeypatch):
+    """A choice that holds every sequence at 0 is repeated without choosing again for up to HOLD_STEPS steps (choosing
+    cost ~1% of a step at 8 sequences of SmolLM2): the probes fall on the same steps, and the sequences' idle steps
+    and decayed counts come out as if every step had been chosen. A new sequence ends the hold at once."""
+    hold_steps = draft_policy.HOLD_STEPS
+
+    def run(steps_held: int):
+        monkeypatch.setattr(draft_policy, "HOLD_STEPS", steps_held)
+        policy = policy_with(lambda rows: 0.010 + 0.001 * rows, {}, per_row_slot=1e-6)
+        policy.method.attempted[:] = 1e6                                   # a method that lands nothing: all held
+        for i in range(8):
+            policy.observe(i, 4, 1)
+        afresh, chosen = policy.choose_afresh, []
+        policy.choose_afresh = lambda *args: chosen.append(step) or afresh(*args)
+        log = []
+        for step in range(300):
+            cands = [Candidate(i, 8, context=300, remaining=500) for i in range(8 + (step >= 250))]
+            log.append(policy.choose(cands, fixed_rows=len(cands), num_fixed_tokens=len(cands)))
+            for c, k in zip(cands, log[-1]):
+                policy.observe(c.seq_id, k, 0)
+        policy.end_hold()
+        return log, chosen, policy
+    every, chosen_every, reference = run(1)
+    held, chosen, policy = run(hold_steps)
+    assert held == every and 0 < sum(map(sum, held)) < 40              # the same probes, on the same steps
+    assert chosen_every == list(range(300)) and len(chosen) < 300 / (hold_steps - 1) and 250 in chosen
+    rows, ref_rows = ([p.seqs.rows[i] for i in range(9)] for p in (policy, reference))
+    assert (policy.seqs.idle[rows] == reference.seqs.idle[ref_rows]).all()
+    assert np.allclose(policy.seqs.attempted[rows], reference.seqs.attempted[ref_rows], rtol=1e-9, atol=1e-12)
+    assert policy.explore_credit == pytest.approx(reference.explore_credit, rel=1e-9)
+
+
 def test_a_cost_per_drafting_sequence_buys_longer_drafts_than_the_same_cost_per_token():
     """f, paid once a step by a sequence that drafts (a deferring drafter's forward over its committed tokens), is
     spread over its draft: where it would hold a sequence to a short draft as a per-token cost, it buys a longer
@@ -330,7 +363,7 @@ def test_step_costs_follow_measured_times_and_stay_monotone():
 def random_lengths(engine, seed: int):
     """Replace the engine's policy choice with random lengths within each sequence's cap."""
     rng = np.random.default_rng(seed)
-    engine.policy.choose = lambda candidates, *_: [int(rng.integers(0, c.max_tokens + 1)) for c in candidates]
+    engine.policy.choose_afresh = lambda candidates, *_: [int(rng.integers(0, c.max_tokens + 1)) for c in candidates]
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def test_drafts_exact_when_drafting_pauses_and_layers_run_only_to_draft(trained,
     never runs the layers, unless MAX_PENDING_TOKENS states wait."""
     llm = LLM(str(trained), kv_cache_memory_gb=0.01, block_size=4)
     rng = np.random.default_rng(1)
-    llm.engine.policy.choose = lambda candidates, *_: [int(rng.choice([0, 0, 0, c.max_tokens])) for c in candidates]
+    llm.engine.policy.choose_afresh = lambda candidates, *_: [int(rng.choice([0, 0, 0, c.max_tokens])) for c in candidates]
     seen = record_drafts(llm)
     llm.generate(PROMPTS, greedy(24))
     assert len(seen) > 4

@@ -1,8 +1,21 @@
 """The cost side of "auto" (engine/draft_policy.py): the target's forward-and-verify time T(R) over decode rows, the
 time s a sequence's first row pays per cache slot it attends and s_chain each of its draft's verify rows, P per
-prompt-chunk row, and the drafter's d per sequence's first draft
-token, c per draft token after it, r per token caught up on and f per sequence that drafts (its forwards deferred past
-the step)."""
+prompt-chunk row, and the drafter's d per sequence's first draft token, c per draft token after it, r per token caught
+up on and f per sequence that drafts (its forwards deferred past the step).
+
+T is a table over row counts of one-slot rows, s the difference CALIBRATION_SLOTS-slot rows make and s_chain the
+difference the same rows make as chains of CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of
+CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one sequence reaches and made non-decreasing; it
+is no line over a few rows on a CPU: the weights' reads bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4
+ms each where its 7th and 8th cost 5); T's table is scaled, by one factor that keeps its shape, after every decode-only
+step toward its measured time less s * L + s_chain * L_d; P (the time per prompt-chunk row, from steps with prompt rows,
+so that they do not skew T) a running mean of what such steps took beyond T and the slots' time; d, c and r a
+least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up tokens over
+recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and caught-up
+tokens alike until a call without catch-up tells them apart: on draft tokens alone, a first call over a whole prompt
+priced drafting out); f a running mean of the forwards a deferring drafter runs after a step (`on_target_forward`) per
+sequence that drafted in it (as a per-token cost, it made every token after a sequence's first look as dear as the
+first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,11 +59,40 @@ class StepCosts:
     per_drafting_seq: float = 0.0       # f
     num_deferred_samples: int = 0
 
+    def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
+        """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
+        `chain` rows each (a decode row and its draft's verify rows), a sequence's last row attending `slots` cache
+        slots (at most max_slots: what the KV cache and context limit allow)."""
+        slots, R, C = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS, CHAIN_CALIBRATION_ROWS
+        chained = slots > C
+        points = [(int(r), 1, 1) for r in self.rows] + ([(R, slots, 1)] if slots > 1 else []) \
+            + ([(R, slots, C)] if chained else [])
+        # the best of CALIBRATION_ROUNDS rounds over every point in turn: a row's cost at one to four rows is a few
+        # percent of the step, under what a busy host moves one measurement (best of 2 in a row, T(2) - T(1) came out
+        # 0 to 1.6 ms from one start-up to the next, and a verify row looked up to three times its cost)
+        best = np.full(len(points), np.inf)
+        for point in points:            # a first round warms up what a new process has not run yet, and is dropped
+            measure(*point)
+        for _ in range(CALIBRATION_ROUNDS):
+            best = np.minimum(best, [measure(*point) for point in points])
+        # non-decreasing: a point measured below the one before it (noise, or a kernel's shape: three rows cost more
+        # than four on SmolLM2's bf16 kernel) does not make rows look free to add
+        n = len(self.rows)
+        self.seconds = np.maximum.accumulate(best[:n])
+        if slots <= 1:
+            return
+        one_slot = float(np.interp(R, self.rows, self.seconds))
+        self.per_row_slot = max(0.0, (best[n] - one_slot) / (R * (slots - 1)))
+        if chained:     # R / C sequences: first rows at s, the C - 1 after each at s_chain (T holds a slot a row at s)
+            first, after = chain_slots([(slots - C, C)] * (R // C))
+            extra = best[n + 1] - one_slot - self.per_row_slot * (first - R)
+            self.per_chain_row_slot = min(self.per_row_slot, max(0.0, extra / after))
+
     def target(self, rows: np.ndarray | float) -> np.ndarray:
-        x, y = self.rows, self.scale * self.seconds
+        x, y = self.rows, self.seconds
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
         r = np.asarray(rows, dtype=float)
-        return np.where(r <= x[-1], np.interp(r, x, y), y[-1] + slope * (r - x[-1]))
+        return self.scale * (np.interp(r, x, y) + slope * np.maximum(r - x[-1], 0.0))
 
     def attention(self, first_slots: float, chain_slots: float) -> float:
         """The slots' time: first_slots attended by sequences' first decode rows, chain_slots by the rows after them."""

@@ -1,0 +1,68 @@
+"""The acceptance side of "auto" (engine/draft_policy.py): decayed counts per draft position, the method's and every
+sequence's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Decayed counts per draft position: attempted (the position was verified) and accepted."""
+    attempted: np.ndarray
+    accepted: np.ndarray
+
+    @classmethod
+    def empty(cls, positions: int) -> Acceptance:
+        return cls(np.zeros(positions), np.zeros(positions))
+
+    def observe(self, num_drafted: int, num_accepted: int, decay: float) -> None:
+        self.attempted *= decay
+        self.accepted *= decay
+        self.attempted[:min(num_accepted + 1, num_drafted)] += 1
+        self.accepted[:num_accepted] += 1
+
+
+class SeqStats:
+    """Every sequence's Acceptance, its steps held at 0 and its probes in a row that landed nothing, as rows of arrays:
+    a step's estimates are one gather (a loop over the step's sequences was a quarter of the policy's choice at 8)."""
+
+    def __init__(self, positions: int):
+        self.rows: dict[int, int] = {}              # seq_id -> its row
+        self.free: list[int] = []
+        self.attempted = self.accepted = np.zeros((0, positions))
+        self.idle = self.failed = np.zeros(0, dtype=int)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.rows
+
+    def row(self, seq_id: int) -> int:
+        """The sequence's row; a new one starts at zero counts."""
+        if (row := self.rows.get(seq_id)) is not None:
+            return row
+        if not self.free:
+            n = len(self.idle)
+            more = max(8, n)
+            self.attempted, self.accepted = (np.concatenate([a, np.zeros((more, a.shape[1]))])
+                                             for a in (self.attempted, self.accepted))
+            self.idle, self.failed = (np.concatenate([a, np.zeros(more, dtype=int)]) for a in (self.idle, self.failed))
+            self.free = list(range(n + more - 1, n - 1, -1))
+        row = self.rows[seq_id] = self.free.pop()
+        self.attempted[row] = self.accepted[row] = self.idle[row] = self.failed[row] = 0
+        return row
+
+    def forget(self, seq_id: int) -> None:
+        if (row := self.rows.pop(seq_id, None)) is not None:
+            self.free.append(row)
+
+    def observe(self, row: int, num_drafted: int, num_accepted: int, decay: float) -> None:
+        self.attempted[row] *= decay
+        self.accepted[row] *= decay
+        self.attempted[row, :min(num_accepted + 1, num_drafted)] += 1
+        self.accepted[row, :num_accepted] += 1
+        self.failed[row] = 0 if num_accepted else self.failed[row] + 1
+
+    def decay(self, rows: np.ndarray, factor: float) -> None:
+        self.attempted[rows] *= factor
+        self.accepted[rows] *= factor
