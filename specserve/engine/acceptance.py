@@ -26,7 +26,7 @@ class Acceptance:
 
 class SeqStats:
     """Every sequence's Acceptance, its steps held at 0 and its probes in a row that landed nothing, as rows of arrays:
-    a step's estimates are one gather (a loop over the step's sequences was a quarter of the policy's choice at 8)."""
+    a step's estimates are one gather (hot, a loop over the step's sequences was a quarter of the choice at 8)."""
 
     def __init__(self, positions: int):
         self.rows: dict[int, int] = {}              # seq_id -> its row
@@ -57,10 +57,7 @@ class SeqStats:
             self.free.append(row)
 
     def observe(self, row: int, num_drafted: int, num_accepted: int, decay: float) -> None:
-        self.attempted[row] *= decay
-        self.accepted[row] *= decay
-        self.attempted[row, :min(num_accepted + 1, num_drafted)] += 1
-        self.accepted[row, :num_accepted] += 1
+        Acceptance(self.attempted[row], self.accepted[row]).observe(num_drafted, num_accepted, decay)    # views
         self.failed[row] = 0 if num_accepted else self.failed[row] + 1
 
     def decay(self, rows: np.ndarray, factor: float) -> None:
