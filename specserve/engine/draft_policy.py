@@ -190,8 +190,7 @@ class DraftPolicy:
         the steps' time; what goes unspent is kept, up to what the longest wait between probes accrues. probe_costs:
         each one's catch-up and verify row (one more row, and its slots); its first draft token and f are added."""
         self.record_probes(candidates, lengths)
-        share = EXPLORE_SHARE * self.explore_fraction * step_seconds
-        self.explore_credit = min(self.explore_credit + share, share * (PROBE_EVERY << MAX_BACKOFF))
+        self.explore_credit = self.credit_after(step_seconds)
         seqs = self.seqs
         held = lengths == 0
         idle = np.where(held, seqs.idle[rows] + 1, 0)
@@ -217,8 +216,7 @@ class DraftPolicy:
         hold = self.hold
         if hold is None or hold.steps + 1 >= HOLD_STEPS or hold.seq_ids != seq_ids:
             return False
-        share = EXPLORE_SHARE * self.explore_fraction * hold.seconds
-        credit = min(self.explore_credit + share, share * (PROBE_EVERY << MAX_BACKOFF))
+        credit = self.credit_after(hold.seconds)
         if any(due <= hold.steps + 1 and cost <= credit for due, cost in zip(hold.due_in, hold.probe_costs)):
             return False
         self.explore_credit = credit
@@ -231,6 +229,11 @@ class DraftPolicy:
             self.seqs.idle[hold.rows] += hold.steps
             self.seqs.decay(hold.rows, IDLE_DECAY ** hold.steps)
         self.hold = None
+
+    def credit_after(self, step_seconds: float) -> float:
+        """The explore credit once a step of step_seconds has accrued its share (capped at the longest wait's)."""
+        share = EXPLORE_SHARE * self.explore_fraction * step_seconds
+        return min(self.explore_credit + share, share * (PROBE_EVERY << MAX_BACKOFF))
 
     @property
     def explore_fraction(self) -> float:
