@@ -18,7 +18,8 @@ drafter's time for a sequence's first draft token and c for each one after it, f
 (EAGLE3's head and MTP's layers run over its committed tokens after the step, whatever the draft's length), and r its
 time per token u_i it must catch up on before drafting for sequence i again (a drafter that skips sequences held at 0:
 EAGLE3's head and MTP's layers over the target's states they hold, a draft model over the tokens it has not seen;
-under load, a whole prompt), paid once, so spread over the n_i tokens the sequence may still generate. At a few
+under load, a whole prompt), paid once, so spread over n_i, the steps the sequence is expected to go on drafting (the
+mean of recent runs of drafting steps in a row, at most the tokens it may still generate: acceptance.py). At a few
 hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row is attended on its own, so
 that its bits do not depend on its neighbours), and it grows with the batch's contexts, not with R alone. The
 prompt-chunk rows a step may also carry are left out of S: their time is spent whatever is drafted, and counting it
@@ -63,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.engine.acceptance import Acceptance, SeqStats
+from specserve.engine.acceptance import Acceptance, Runs, SeqStats
 from specserve.engine.step_costs import CALIBRATION_SLOTS, StepCosts, chain_slots
 
 PRIOR_ACCEPTANCE = 0.6          # per-position acceptance before anything is measured
@@ -113,6 +114,7 @@ class DraftPolicy:
         self.probe_record = np.zeros(2)             # decayed: probes made, and those the next step drafted after
         self.costs = StepCosts()
         self.hold: Hold | None = None
+        self.runs = Runs()
 
     @property
     def calibrated(self) -> bool:
@@ -159,9 +161,10 @@ class DraftPolicy:
         costs = self.costs
         target = costs.target(fixed_rows + np.arange(int(caps.sum()) + 2))  # T at fixed_rows + n rows, n = 0 .. all
         catch_up *= costs.per_catch_up_token
-        # what drafting costs a sequence in a step beyond its tokens at c each: its share of the catch-up, f, and what
-        # its first draft token costs beyond c (d - c)
-        spread = catch_up / remaining + (costs.per_drafting_seq + costs.per_first_draft_token - costs.per_draft_token)
+        # what drafting costs a sequence in a step beyond its tokens at c each: its share of the catch-up (over the
+        # steps it is expected to draft in a row), f, and what its first draft token costs beyond c (d - c)
+        spread = catch_up / np.minimum(remaining, self.runs.expected) \
+            + (costs.per_drafting_seq + costs.per_first_draft_token - costs.per_draft_token)
         positions = np.arange(1, K + 1)
         unit = (float(target[1] - target[0]) + costs.per_draft_token) \
             + costs.per_chain_row_slot * (contexts[:, None] + positions) + (spread / np.maximum(caps, 1))[:, None]
@@ -190,6 +193,8 @@ class DraftPolicy:
         the steps' time; what goes unspent is kept, up to what the longest wait between probes accrues. probe_costs:
         each one's catch-up and verify row (one more row, and its slots); its first draft token and f are added."""
         self.record_probes(candidates, lengths)
+        for steps in self.seqs.advance_runs(rows, lengths):     # as chosen, before probes
+            self.runs.end(steps)
         self.explore_credit = self.credit_after(step_seconds)
         seqs = self.seqs
         held = lengths == 0
@@ -259,7 +264,7 @@ class DraftPolicy:
 
     def forget(self, seq_id: int) -> None:
         self.end_hold()
-        self.seqs.forget(seq_id)
+        self.runs.end(self.seqs.forget(seq_id))
 
 
 def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda seq: 0) -> None:
