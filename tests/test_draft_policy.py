@@ -144,7 +144,7 @@ def test_a_catch_up_is_spread_over_the_steps_sequences_go_on_drafting():
         policy.costs.per_draft_token, policy.costs.per_catch_up_token = 2e-4, 40e-6
         for steps in runs:
             policy.runs.end(steps)
-        return policy.choose([Candidate(1, 8, catch_up=256, remaining=1 << 16)], fixed_rows=1, num_fixed_tokens=1)[0]
+        return policy.choose([Candidate(1, 8, catch_up=1024, remaining=1 << 16)], fixed_rows=1, num_fixed_tokens=1)[0]
     assert behind_drafts([60] * 20) > 0
     assert behind_drafts([1] * 20) == 0
 

@@ -163,7 +163,7 @@ class DraftPolicy:
         catch_up *= costs.per_catch_up_token
         # what drafting costs a sequence in a step beyond its tokens at c each: its share of the catch-up (over the
         # steps it is expected to draft in a row), f, and what its first draft token costs beyond c (d - c)
-        spread = catch_up / np.minimum(remaining, self.runs.expected) \
+        spread = catch_up / self.runs.expected(remaining) \
             + (costs.per_drafting_seq + costs.per_first_draft_token - costs.per_draft_token)
         positions = np.arange(1, K + 1)
         unit = (float(target[1] - target[0]) + costs.per_draft_token) \
