@@ -30,11 +30,11 @@ class Acceptance:
 @dataclass(slots=True)
 class Runs:
     """The steps sequences drafted in a row once chosen to (probes apart), decayed: what a catch-up is spread over.
-    Spread over all the tokens a sequence may still generate, a held EAGLE3 sequence's catch-up over a 300-token
-    prompt (~10 ms on SmolLM2) looked a few percent of that; it drafted a step, went back to 0, lost it all. The prior,
-    one run as long as the sequence may still go (at most PRIOR_RUN_STEPS), is optimistic on purpose: a record that
-    expects short runs from the start keeps every catch-up dear, nothing drafts and no run corrects it (MTP at one
-    sequence of sonnet, 1.09x at k=2, was held at 0 with an 8-step prior: its 540-token catch-up costs 37 ms)."""
+    Spread over all the tokens a sequence may still generate (65536 for a request without max_tokens), a prompt's
+    catch-up (~10 ms for EAGLE3 over 300 tokens of SmolLM2) looked free, however soon the sequence went back to 0.
+    The prior, one run as long as the sequence may still go (at most PRIOR_RUN_STEPS), is optimistic on purpose: a
+    record that expects short runs from the start keeps every catch-up dear, nothing drafts and no run corrects it
+    (MTP at one sequence of sonnet, 1.09x at k=2, was held at 0 with an 8-step prior: its 540-token catch-up, 37 ms)."""
     count: float = 0.0
     steps: float = 0.0
     prior_weight: float = 1.0       # the prior's, decayed as a run recorded first would be

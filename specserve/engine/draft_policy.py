@@ -84,7 +84,7 @@ HOLD_STEPS = 4                  # a batch held at 0 whole keeps that choice for 
 class Candidate:
     """A decoding sequence the policy chooses for: its id, the most it may draft this step, the slots its last
     token's row attends (its draft token j attends context + j), and the tokens the drafter must catch up on
-    before it drafts for it (Proposer.catch_up_tokens), spread over the `remaining` tokens it may still generate."""
+    before it drafts for it (Proposer.catch_up_tokens), and the `remaining` tokens it may still generate."""
     seq_id: int
     max_tokens: int
     context: int = 0
