@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PRIOR_RUN_STEPS = 128           # at most this, the steps a run lasts as the record expects before any (one run)
+PRIOR_RUN_STEPS = 128           # the record's prior, one run this long (or as long as a sequence may still go)
 RUN_DECAY = 0.95                # the runs' record decays by this per run ended
 
 
@@ -37,13 +37,16 @@ class Runs:
     (MTP at one sequence of sonnet, 1.09x at k=2, was held at 0 with an 8-step prior: its 540-token catch-up, 37 ms)."""
     count: float = 0.0
     steps: float = 0.0
-    prior_weight: float = 1.0       # the prior's, decayed as a run recorded first would be
 
     def end(self, steps: int) -> None:
         if steps > 0:
             self.count = self.count * RUN_DECAY + 1
             self.steps = self.steps * RUN_DECAY + steps
-            self.prior_weight *= RUN_DECAY
+
+    @property
+    def prior_weight(self) -> float:
+        """The prior's weight, decayed as a run recorded first would be: RUN_DECAY ** runs, as count = sum of those."""
+        return 1.0 - (1.0 - RUN_DECAY) * self.count
 
     def expected(self, remaining: np.ndarray) -> np.ndarray:
         """The steps sequences that may still generate `remaining` tokens are expected to go on drafting."""
