@@ -208,9 +208,11 @@ def test_tokenizing_a_large_prompt_leaves_the_event_loop_free(server, client):
     assert responses[2].status_code == 200 and responses[2].json()["count"] > 100_000
     print(f"\n3 MB of prompts tokenized in {elapsed:.2f} s; /health answered {len(latencies)} times meanwhile, "
           f"slowest {max(latencies):.3f} s")
-    # Tokenizing holds no lock the event loop needs (test_tokenizer checks the GIL is released): a /health
-    # that waited for a tokenization would take most of a request's third of `elapsed`.
-    assert len(latencies) >= 2 and max(latencies) < max(0.5, elapsed / 6)
+    # Tokenizing holds no lock the event loop needs (test_tokenizer checks the GIL is released). A loop blocked by
+    # each tokenization would answer a few times in all (each /health waiting out a third of `elapsed`); a free one
+    # answers every ~50 ms here (36 times in 1.8 s). Counting the answers, not bounding the slowest, lets one
+    # scheduling hiccup of the shared host pass (a 0.61 s /health once failed a 0.5 s bound).
+    assert len(latencies) >= max(4, elapsed / 0.25)
     assert_serving(server, client)
 
 
