@@ -106,6 +106,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                       help="draft, mtp: score draft tokens over the token ids in this file only (JSON list, or "
                            "SGLang's torch-saved tensor); 'none' for the whole vocabulary (default: the "
                            "drafter folder's token_map.json when it has one)")
+    spec.add_argument("--speculative-catch-up-window", type=int_at_least(0), metavar="N",
+                      help="eagle3, mtp: when drafting starts or resumes for a request, run the drafter over at most "
+                           "its last N tokens, not its whole prompt or backlog (0: all of them)"
+                           + default("speculative_catch_up_window"))
     spec.add_argument("--no-ngram-cache", action="store_true", default=None,
                       help="ngram: match only the request's own tokens, not earlier requests'")
 

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.drafting.options import MAX_NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS  # noqa: F401 (re-exported)
+from specserve.drafting.options import CATCH_UP_WINDOW, MAX_NUM_ASSISTANT_TOKENS, NUM_ASSISTANT_TOKENS  # noqa: F401
 from specserve.gguf.cache import file_sha256
 
 SPEC_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")    # drafting/factory.py METHODS, by name
@@ -94,6 +94,7 @@ class EngineConfig:
     draft_options: dict[str, int] = field(default_factory=dict)   # engine-wide defaults of the method's options
     ngram_cache: bool = True                  # cross-request n-gram cache (n-gram method)
     speculative_token_map: str | None = None  # draft/mtp: a token-map file, "none" (full head), None: the drafter's own
+    speculative_catch_up_window: int = CATCH_UP_WINDOW   # eagle3/mtp: rows a catch-up runs over at most (0: all)
     tensor_parallel_size: int = 1             # ranks the target is sharded over (specserve/distributed/)
 
     def __post_init__(self):

@@ -298,18 +298,19 @@ def test_tree_nodes_see_only_their_ancestors(eagle, root_at_catch_up):
 
 
 def assert_head_cache_is_fresh(engine, seq) -> None:
-    """Head slots [1, d) hold what a fresh cache-free run over the committed tokens writes."""
+    """Head slots [s, d) hold what a fresh cache-free run over the committed tokens from slot s writes (s = 1, or
+    where a windowed catch-up restarted the head: it attends nothing before)."""
     proposer, head = engine.proposer, engine.proposer.head
-    d = seq.num_drafter_computed
+    d, s = seq.num_drafter_computed, max(1, seq.drafter_start)
     assert d == seq.num_computed_tokens
     _, aux = engine.model(torch.tensor([seq.token_ids[:d]]), torch.arange(d), None, proposer.aux_layers)
-    states = torch.cat([aux[j][0] for j in proposer.aux_order], -1)[:-1]
+    states = torch.cat([aux[j][0] for j in proposer.aux_order], -1)[s - 1:-1]
     c = proposer.config.layer
     fresh = ModelRunner(head, 1, c.num_key_value_heads, c.head_dim, 16, 16, torch.float32)
-    input_ids, positions, ctx = fresh.prepare([ForwardItem(list(range(16)), 0, seq.token_ids[1:d])])
+    input_ids, positions, ctx = fresh.prepare([ForwardItem(list(range(16)), 0, seq.token_ids[s:d], list(range(s - 1, d - 1)))])
     head(input_ids, head.fc(states), positions, ctx)
-    slots = torch.from_numpy(proposer.runner.slots(seq.block_table, 1, d))
-    assert torch.allclose(proposer.runner.kv_cache[:, slots], fresh.kv_cache[:, :d - 1], atol=1e-5)
+    slots = torch.from_numpy(proposer.runner.slots(seq.block_table, s, d))
+    assert torch.allclose(proposer.runner.kv_cache[:, slots], fresh.kv_cache[:, :d - s], atol=1e-5)
 
 
 def test_head_cache_after_rejections_and_prefix_hits_equals_a_fresh_run(target):
@@ -330,13 +331,15 @@ def test_head_cache_after_rejections_and_prefix_hits_equals_a_fresh_run(target):
         engine.abort(seq.request_id)
 
 
+@pytest.mark.parametrize("window", [0, 8, 40])
 @pytest.mark.parametrize("raw_rows", [1, 8, 10 ** 6])
-def test_states_held_before_fc_give_the_head_cache_of_a_fresh_run(target, raw_rows, monkeypatch):
+def test_states_held_before_fc_give_the_head_cache_of_a_fresh_run(target, raw_rows, window, monkeypatch):
     """A sequence that drafts nothing keeps the target's states as they are until RAW_ROWS of them wait (fc then
-    applies to them), so it holds rows after fc and newer raw ones; the catch-up over them writes what a fresh
-    run writes, and a later request restarting from its blocks' tails drafts plain decoding's output."""
+    applies to them), so it holds rows after fc and newer raw ones; the catch-up over them (over the last `window`
+    of them, skipping the rest: the skip ends among raw rows, or among fc'd ones) writes what a fresh run over them
+    writes, and a later request restarting from its blocks' tails drafts plain decoding's output."""
     monkeypatch.setattr("specserve.drafting.eagle3.RAW_ROWS", raw_rows)
-    llm = LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="eagle3")
+    llm = LLM(str(target), kv_cache_memory_gb=0.01, speculative_method="eagle3", speculative_catch_up_window=window)
     engine, proposer = llm.engine, llm.engine.proposer
     prompt = llm.tokenizer.encode(TEXT[:200])
     seq = engine.add_request(prompt, greedy(30, num_assistant_tokens=0))
@@ -345,8 +348,13 @@ def test_states_held_before_fc_give_the_head_cache_of_a_fresh_run(target, raw_ro
     state = proposer.states[seq.seq_id]
     held = {1: 0, 8: (state.num_pending - len(prompt)) % 8, 10 ** 6: state.num_pending}[raw_rows]   # the prompt fed at once
     assert len(prompt) < state.num_pending and state.num_raw == held
+    pending, ran = state.num_pending, []
+    forward = proposer._forward
+    proposer._forward = lambda items, hidden, *a: (ran.append(len(hidden)), forward(items, hidden, *a))[1]
     proposer._catch_up([(seq, state)])
     assert state.num_raw == 0 and not state.raw and not state.pending
+    assert ran == [pending if not window else window + 1]        # + the last token's slot (the next root)
+    assert seq.drafter_start == (0 if not window else seq.num_computed_tokens - window)
     assert_head_cache_is_fresh(engine, seq)
     while engine.has_unfinished():
         engine.step()

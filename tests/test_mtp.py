@@ -202,9 +202,40 @@ def test_drafts_exact_when_drafting_pauses_and_layers_run_only_to_draft(trained,
     proposer._catch_up = lambda work: (calls.append(len(work)) if work else None, catch_up(work))
     llm.generate(PROMPTS[0], greedy(24, num_assistant_tokens=0))
     assert calls == []
-    monkeypatch.setattr("specserve.drafting.proposer.MAX_PENDING_TOKENS", 8)
+    monkeypatch.setattr("specserve.drafting.catch_up.MAX_PENDING_TOKENS", 8)
     llm.generate(PROMPTS[0] + " again", greedy(24, num_assistant_tokens=0))
     assert 2 <= sum(calls) <= 6
+
+
+def test_a_windowed_catch_up_runs_the_layers_over_its_last_rows_only_and_stays_exact(trained):
+    """With a catch-up window, a sequence that starts or resumes drafting runs the layers over the last `window`
+    committed tokens (and its last token's slot) only: they restart there, attending nothing before, and layer 0's
+    draft equals a cache-free run over those tokens. Greedy output stays plain decoding's."""
+    window = 3
+    llm = LLM(str(trained), kv_cache_memory_gb=0.01, block_size=4, speculative_catch_up_window=window)
+    rng = np.random.default_rng(2)
+    llm.engine.policy.choose_afresh = lambda candidates, *_: [int(rng.choice([0, 0, 0, c.max_tokens])) for c in candidates]
+    proposer, rows, seen = llm.engine.proposer, [], []
+    catch_up, propose = proposer._catch_up, proposer.propose
+    proposer._catch_up = lambda work: (rows.extend(st.num_pending for _, st in work), catch_up(work))[1]
+
+    def recording(seqs, num_draft_tokens):
+        draft = propose(seqs, num_draft_tokens)
+        seen.extend((list(seq.token_ids), seq.drafter_start, d) for seq, d in zip(seqs, draft.token_ids) if d)
+        return draft
+    proposer.propose = recording
+    plain = LLM(str(trained), kv_cache_memory_gb=0.01, speculative_method="none")
+    assert ids(llm.generate(PROMPTS, greedy(24))) == ids(plain.generate(PROMPTS, greedy(24)))
+    assert max(rows) > window + 1, "no backlog longer than the window"
+    assert any(start > 0 for _, start, _ in seen)
+    mtp, target = proposer.mtp, llm.engine.model
+    for tokens, start, draft in seen:
+        if start:
+            input_ids = torch.tensor([tokens])
+            hidden, _ = target(input_ids, torch.arange(len(tokens)))
+            out = mtp(0, target.model.embed_tokens(input_ids[:, start:]), hidden[:, start - 1:-1],
+                      torch.arange(start, len(tokens)))
+            assert draft[0] == int(mtp.compute_logits(0, out[:, -1], target).argmax())
 
 
 def test_the_layers_forward_after_a_step_is_priced_per_drafting_sequence(trained):

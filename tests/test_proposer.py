@@ -39,7 +39,7 @@ def test_sampling_tensors_repeat_each_request():
 
 
 def test_restart_tail_reads_the_cached_prefixs_last_block():
-    from specserve.drafting.proposer import restart_tail
+    from specserve.drafting.catch_up import restart_tail
     tails = torch.arange(5 * 2.0).view(5, 2)                  # 5 blocks, one 2-wide tail each
     s = seq(0)
     s.block_table = [3, 1, 4]

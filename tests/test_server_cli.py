@@ -37,11 +37,13 @@ def test_defaults_flags_and_engine_config(tmp_path):
     assert config == EngineConfig()
     args = parse([str(tmp_path), "--port", "9001", "--speculative-method", "ngram", "--max-ngram-size", "5",
                   "--no-prefix-caching", "--kv-cache-memory-gb", "0.5", "--served-model-name", "a", "b",
-                  "--num-assistant-tokens", "7", "--dtype", "bfloat16", "--max-num-seqs", "4", "--kv-cache-dtype", "int8"])
+                  "--num-assistant-tokens", "7", "--dtype", "bfloat16", "--max-num-seqs", "4", "--kv-cache-dtype", "int8",
+                  "--speculative-catch-up-window", "0"])
     config = engine_config_from_args(args)
     assert (config.model, config.speculative_method, config.draft_options["prompt_lookup_max"], config.enable_prefix_caching,
             config.kv_cache_memory_gb, config.num_assistant_tokens, config.dtype, config.max_num_seqs,
-            config.kv_cache_dtype) == (str(tmp_path), "ngram", 5, False, 0.5, 7, "bfloat16", 4, "int8")
+            config.kv_cache_dtype, config.speculative_catch_up_window) == (str(tmp_path), "ngram", 5, False, 0.5, 7, "bfloat16",
+                                                                          4, "int8", 0)
     assert args.port == 9001 and args.served_model_name == ["a", "b"]
 
 
@@ -53,6 +55,7 @@ def test_defaults_flags_and_engine_config(tmp_path):
     (["--speculative-method", "medusa"], "--speculative-method"),
     (["--tree-depth", "-1"], "--tree-depth"),
     (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
+    (["--speculative-catch-up-window", "-1"], "--speculative-catch-up-window"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit:

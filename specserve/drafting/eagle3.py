@@ -5,9 +5,9 @@ The head's paged KV cache shares the target's block tables. Slot j holds the hea
 holds nothing and is masked. A slot therefore depends only on tokens up to its own, so full blocks
 are valid prefix-cache entries for the head too; the target's states at the last slot of every full block
 (`block_tails`, fc applied at a restart) let a cache hit resume where a miss would, or restart past blocks
-cached without the head's K/V (`proposer.restart_at`: slots before seq.drafter_start masked too). The head
+cached without the head's K/V (`catch_up.restart_at`: slots before seq.drafter_start masked too). The head
 takes each target forward's committed states and runs over them (keeping `tail`, what its next slot reads)
-as `proposer.catch_up_now` says.
+as `catch_up.catch_up_now` says.
 
 A draft is a tree grown level by level (a chain is the tree with branching 1 and depth k): the root
 forward runs the last token from the tail; a drafted node feeds the head its parent's pre-norm output
@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD, MAX_NUM_ASSISTANT_TOKENS, Option
-from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now,
-                                         keep_block_tails, restart_at, restart_tail, timed)
+from specserve.drafting.catch_up import (backlog_skip, catch_up_now, catch_up_rows, drop_rows, keep_block_tails,
+                                         restart_at, restart_tail, timed)
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.eagle3_check import check_acceptance
-from specserve.drafting.tree import GrowingTree, check_tree_shape, grammar_filtered
+from specserve.drafting.tree import GrowingTree, check_tree_shape, grammar_filtered, scratch_tables
 from specserve.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, resolve_aux_layers
 from specserve.models.packing import pack_for_inference
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
@@ -49,6 +50,13 @@ class HeadState:
     num_pending: int = 0                   # rows of both, counted as they come (read for every sequence every step)
     num_raw: int = 0
 
+    def skip(self, n: int) -> None:
+        """Drop the first n rows waiting (catch_up.backlog_skip): the head restarts past them, at the next row."""
+        fed = sum(len(rows) for rows in self.pending)
+        self.pending, self.raw = drop_rows(self.pending, n), drop_rows(self.raw, max(0, n - fed))
+        self.num_computed, self.num_pending, self.num_raw = self.num_computed + n, self.num_pending - n, \
+            self.num_raw - max(0, n - fed)
+
 
 class Eagle3Proposer(Proposer):
     uses_kv_cache = True
@@ -69,7 +77,7 @@ class Eagle3Proposer(Proposer):
                                                  ctx.device, max_positions)
         pack_for_inference(self.head, ctx.device, ctx.dtype, ctx.quantization)
         c = self.config.layer
-        self.block_size, self.num_blocks = ctx.block_size, ctx.num_blocks
+        self.block_size, self.num_blocks, self.window = ctx.block_size, ctx.num_blocks, ctx.catch_up_window
         self.dtype, self.device = ctx.dtype, ctx.device
         self.runner = ModelRunner(self.head, 1, c.num_key_value_heads, c.head_dim, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
@@ -166,11 +174,20 @@ class Eagle3Proposer(Proposer):
                 state.raw, state.num_raw = [], 0
 
     def _catch_up(self, work: list[tuple[Sequence, HeadState]]) -> None:
-        """The head over each sequence's pending slots, and its last token's (the next root) where its block exists."""
+        """The head over each sequence's pending slots (those in the window), and its last token's (the next root)
+        where its block exists."""
+        restarts = set()
+        for seq, state in work:
+            if skip := backlog_skip(state.num_pending, self.window):
+                state.skip(skip)
+                restarts.add(seq.seq_id)
         self._apply_fc([state for _, state in work])
         items, inputs, owners = [], [], []
         for seq, state in work:
             fed = torch.cat(state.pending)
+            if seq.seq_id in restarts:              # the first row left is the tail: the head's context starts after
+                state.tail, fed, state.num_computed = fed[0], fed[1:], state.num_computed + 1
+                seq.drafter_start = seq.num_drafter_computed = state.num_computed
             end = state.num_computed + len(fed)
             with_root = len(seq) == end + 1 and end < len(seq.block_table) * self.block_size
             reads = torch.cat(([] if state.tail is None else [state.tail[None]]) + [fed if with_root else fed[:-1]])
@@ -193,7 +210,7 @@ class Eagle3Proposer(Proposer):
         self.states.pop(seq.seq_id, None)
 
     def catch_up_tokens(self, seq: Sequence) -> int:
-        return state.num_pending if (state := self.states.get(seq.seq_id)) is not None else 0
+        return catch_up_rows(state.num_pending, self.window) if (state := self.states.get(seq.seq_id)) else 0
 
     # ---- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -220,7 +237,7 @@ class Eagle3Proposer(Proposer):
     def _grow(self, seqs: list[Sequence], trees: dict[int, GrowingTree]) -> None:
         """The root forward runs each last token; level 1 is the root's top tokens; each further level
         expands the best `branching` nodes of the level above, each into its top `branching` children."""
-        tables = self._scratch_tables(seqs, trees)
+        tables = scratch_tables(self.runner, self.block_size, self.num_blocks, seqs, trees)
         owners = list(trees)
         states = [self.states[seqs[i].seq_id] for i in owners]
         missing = [(i, state) for i, state in zip(owners, states) if state.root is None]
@@ -278,20 +295,3 @@ class Eagle3Proposer(Proposer):
             trees[i].outputs[j] = row
             trees[i].fed.append(j)
         return out
-
-    def _scratch_tables(self, seqs: list[Sequence], trees: dict[int, GrowingTree]) -> dict[int, list[int]]:
-        """Block tables reaching past each sequence's own blocks into private scratch blocks, so a
-        tree may feed more nodes than the slots the scheduler reserved (only the best k are verified)."""
-        bs = self.block_size
-        tables, next_block = {}, self.num_blocks
-        for i, tree in trees.items():
-            seq = seqs[i]
-            need = -(-(seq.num_computed_tokens + 1 + tree.branching * (tree.depth - 1)) // bs)
-            extra = max(0, need - len(seq.block_table))
-            tables[i] = seq.block_table + list(range(next_block, next_block + extra))
-            next_block += extra
-        cache = self.runner.kv_cache
-        if next_block * bs > cache.shape[1]:
-            grown = cache.new_zeros(cache.shape[0], next_block * bs - cache.shape[1], *cache.shape[2:])
-            self.runner.kv_cache = torch.cat([cache, grown], dim=1)
-        return tables

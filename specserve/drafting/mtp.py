@@ -12,9 +12,9 @@ forward of its own (`root`).
 
 A sequence that did not draft in a step does not catch up after it: the target's hidden states of its new
 tokens wait in `pending` until it drafts again (the catch-up then runs them in one forward; see
-`proposer.catch_up_now`). With "auto" choosing 0, or a request that drafts nothing, the layers cost nothing.
+`catch_up.catch_up_now`). With "auto" choosing 0, or a request that drafts nothing, the layers cost nothing.
 After a prefix-cache hit on blocks cached without the layers' K/V, they restart past them
-(`proposer.restart_at`), reading their own cache from seq.drafter_start on.
+(`catch_up.restart_at`), reading their own cache from seq.drafter_start on.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from specserve.drafting.options import CONFIDENCE_THRESHOLD
-from specserve.drafting.proposer import (Draft, DrafterContext, Proposer, TargetHidden, catch_up_now, draft_chains,
-                                         keep_block_tails, restart_at, restart_tail, timed)
+from specserve.drafting.catch_up import (backlog_skip, catch_up_now, catch_up_rows, drop_rows, keep_block_tails,
+                                         restart_at, restart_tail, timed)
+from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden, draft_chains
 from specserve.drafting.token_map import ReducedHead, find_token_map
 from specserve.models.config import ModelConfig
 from specserve.models.loader import read_tensor
@@ -63,7 +64,7 @@ class MTPProposer(Proposer):
         self.heads = self._reduced_heads(mtp, find_token_map(ctx.token_map, Path(source), ctx.target_config.vocab_size), ctx)
         self.mtp = pack_for_inference(mtp, ctx.device, ctx.dtype, ctx.quantization)
         c, N = self.mtp.config, self.mtp.num_layers
-        self.block_size = ctx.block_size
+        self.block_size, self.window = ctx.block_size, ctx.catch_up_window
         self.dtype, self.device = ctx.dtype, ctx.device
         self.runner = ModelRunner(self.mtp, N, c.num_key_value_heads, c.head_dim, ctx.num_blocks, self.block_size,
                                   self.dtype, self.device)
@@ -146,9 +147,16 @@ class MTPProposer(Proposer):
         return timed(self._catch_up, work)
 
     def _catch_up(self, work: list[tuple[Sequence, MTPState]]) -> None:
-        """Run every layer over each sequence's pending slots (and its last token's, where its block exists)."""
+        """Run every layer over each sequence's pending slots (those in the window), and its last token's where its
+        block exists."""
         if not work:
             return
+        for seq, state in work:
+            if skip := backlog_skip(state.num_pending, self.window):    # restart at the row after: the layers' tails
+                rows = drop_rows(state.pending, skip)                  # there are unknown, as at a prefix-cache hit's
+                state.tails = torch.cat([rows[0][:1], state.tails[1:].new_zeros(state.tails[1:].shape)])
+                state.pending, state.num_pending = [torch.cat(rows)[1:]], state.num_pending - skip - 1
+                state.num_computed = seq.drafter_start = seq.num_drafter_computed = state.num_computed + skip + 1
         # the last token's slot too, when the sequence decodes and its block exists: the first draft step is
         # then done here, in the same forward (the slot is recomputed with the committed ones next time)
         roots = [len(seq) == seq.num_computed_tokens + 1 and len(seq) <= len(seq.block_table) * self.block_size
@@ -224,4 +232,4 @@ class MTPProposer(Proposer):
         self.states.pop(seq.seq_id, None)
 
     def catch_up_tokens(self, seq: Sequence) -> int:
-        return state.num_pending if (state := self.states.get(seq.seq_id)) is not None else 0
+        return catch_up_rows(state.num_pending, self.window) if (state := self.states.get(seq.seq_id)) else 0

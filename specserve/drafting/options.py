@@ -43,6 +43,9 @@ MAX_NUM_ASSISTANT_TOKENS = 32
 AUTO_MAX_DRAFT_TOKENS = 8       # the longest draft "auto" chooses (engine/draft_policy.py)
 NUM_ASSISTANT_TOKENS = Option("num_assistant_tokens", AUTO, 0, "draft tokens per step (0: no drafting; auto: "
                               "chosen per step for the batch's throughput)", maximum=MAX_NUM_ASSISTANT_TOKENS, auto=True)
+# the committed rows a deferring drafter (EAGLE3's head, MTP's layers) runs over at most when it starts or resumes
+# drafting for a sequence: the rest of its backlog (a prompt, the steps it was held at 0) it skips (catch_up.py)
+CATCH_UP_WINDOW = 64
 # for drafters that draw from a distribution (draft model, MTP, an EAGLE3 chain): transformers' and OpenVINO's name
 CONFIDENCE_THRESHOLD = Option("assistant_confidence_threshold", 0.0, 0.0, "stop a draft after a token the drafter "
                               "gives less than this probability (0: never)", maximum=1.0, kind=float)

@@ -2,7 +2,6 @@
 verify, accept) never changes when a method is added."""
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, CONFIDENCE_THRESHOLD, Option
+from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS, CATCH_UP_WINDOW, CONFIDENCE_THRESHOLD, Option
 from specserve.drafting.tree import Tree
 from specserve.layers.logits_processors import process_batch
 from specserve.layers.sampler import compute_probs, position_uniforms, sample_from_probs
@@ -42,6 +41,7 @@ class DrafterContext:
     cross_request_cache: bool = True   # a drafter may learn from earlier requests (the n-gram cache)
     token_map: str | None = None       # --speculative-token-map: a file, "none", or None for the drafter's own
     quantization: str | None = None    # the target's --quantization, which a drafter's own weights take too
+    catch_up_window: int = CATCH_UP_WINDOW   # a deferring drafter's catch-up, at most (0: the whole backlog)
 
 
 @dataclass(slots=True)
@@ -168,55 +168,6 @@ def own_token_probability(logits: torch.Tensor, tokens: list[int], q: torch.Tens
         sampled = torch.tensor([not g for g in greedy], device=probs.device)
         probs = torch.where(sampled[:, None], q.to(probs.dtype), probs)
     return probs.gather(1, torch.tensor(tokens, device=probs.device)[:, None]).view(-1).tolist()
-
-
-def restart_tail(block_tails: torch.Tensor, seq: Sequence, block_size: int) -> torch.Tensor | None:
-    """What a drafter that keeps per-block tails (block_tails [num_blocks, ...]: the state its next slot reads,
-    stored at the last slot of every full block) reads when it restarts at seq.num_drafter_computed after the
-    engine reset that count (a preemption, a prefix-cache hit): the tail of the cached prefix's last block.
-    None at 0 (nothing to read) or mid-block (nothing was stored there)."""
-    start = seq.num_drafter_computed
-    if start == 0 or start % block_size:
-        return None
-    return block_tails[seq.block_table[start // block_size - 1]].clone()
-
-
-def keep_block_tails(block_tails: torch.Tensor, seq: Sequence, first: int, rows: torch.Tensor, block_size: int) -> None:
-    """Store, of rows (a drafter's states at slots first, first + 1, ...), those at the last slot of a block, in
-    block_tails [num_blocks, ...]: what restart_tail reads."""
-    for s in range(first + (-first - 1) % block_size, first + len(rows), block_size):
-        block_tails[seq.block_table[s // block_size]] = rows[s - first]
-
-
-# the committed tokens a deferring drafter holds per sequence before it runs over them anyway (1.2 MB of bf16
-# states a sequence at width 576): below it, a prompt costs the drafter nothing until the sequence drafts
-MAX_PENDING_TOKENS = 1024
-
-
-def catch_up_now(seq: Sequence, num_pending: int, drafted: set[int]) -> bool:
-    """A drafter that defers its forwards over committed tokens (EAGLE3's head, MTP's layers) runs them after a
-    target forward for a sequence that drafted in it (it likely drafts the next step, from the root this
-    computes) or holds MAX_PENDING_TOKENS; for any other sequence, at its next draft. A sequence "auto" holds at
-    0 (a loaded server) never pays for the drafter over its prompt; its blocks enter the prefix cache
-    target-only (engine/block_manager.py)."""
-    return num_pending > 0 and (seq.seq_id in drafted or num_pending >= MAX_PENDING_TOKENS)
-
-
-def timed(run, *args) -> float:
-    """Seconds run(*args) takes."""
-    start = time.perf_counter()
-    run(*args)
-    return time.perf_counter() - start
-
-
-def restart_at(seq: Sequence, first_row: int) -> int:
-    """Where a deferring drafter with no state for a sequence restarts, the target's rows starting at first_row:
-    at seq.num_drafter_computed (0, or a prefix-cache hit's drafter-valid blocks) when they start there, as a
-    cache miss would. Otherwise (a hit on target-only blocks) at first_row, its own cache read from there on
-    only (seq.drafter_start): its drafts see less context until it has more; verification keeps them exact."""
-    if seq.num_drafter_computed != first_row:
-        seq.num_drafter_computed = seq.drafter_start = first_row
-    return first_row
 
 
 class Proposer(ABC):

@@ -182,3 +182,21 @@ def accept_tree(
     rows = accepted.long() * torch.arange(1, n + 1, device=y.device)                 # [B, n]
     last = torch.cat([rows.new_zeros(B, 1), rows], dim=1).amax(dim=1)                # [B], 0 = root
     return accepted, y.gather(1, last[:, None]).squeeze(1)
+
+
+def scratch_tables(runner, bs: int, num_blocks: int, seqs: list, trees: dict[int, GrowingTree]) -> dict[int, list[int]]:
+    """Block tables reaching past each sequence's own blocks (bs slots each; num_blocks in the drafter's cache,
+    runner.kv_cache) into private scratch blocks, so a tree may feed more nodes than the slots the scheduler reserved
+    (only the best k are verified)."""
+    tables, next_block = {}, num_blocks
+    for i, tree in trees.items():
+        seq = seqs[i]
+        need = -(-(seq.num_computed_tokens + 1 + tree.branching * (tree.depth - 1)) // bs)
+        extra = max(0, need - len(seq.block_table))
+        tables[i] = seq.block_table + list(range(next_block, next_block + extra))
+        next_block += extra
+    cache = runner.kv_cache
+    if next_block * bs > cache.shape[1]:
+        grown = cache.new_zeros(cache.shape[0], next_block * bs - cache.shape[1], *cache.shape[2:])
+        runner.kv_cache = torch.cat([cache, grown], dim=1)
+    return tables

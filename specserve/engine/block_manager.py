@@ -7,7 +7,7 @@ which is what makes a later request with the same prefix a cache hit.
 A drafter with its own cache (EAGLE3's head, MTP's layers, a draft model) fills it only for sequences that
 draft, so a block is registered once the target's K/V are in, and marked `drafter_valid` once the drafter's
 are too (a drafter-valid block wins a hash over a target-only one). A hit's leading drafter-valid blocks are
-what the drafter resumes from; past them it catches up, or restarts there (proposer.py).
+what the drafter resumes from; past them it catches up, or restarts there (drafting/catch_up.py).
 """
 from __future__ import annotations
 

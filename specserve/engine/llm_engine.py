@@ -58,7 +58,7 @@ class LLMEngine:
         mc = self.model_config
         ctx = DrafterContext(self.model, mc, self.tokenizer, Path(config.model), self.dtype, self.device,
                              config.block_size, 0, self.max_model_len, self.draft_defaults, config.ngram_cache,
-                             config.speculative_token_map, config.quantization)
+                             config.speculative_token_map, config.quantization, config.speculative_catch_up_window)
         shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
         target_bytes = kv_cache_bytes_per_token(*shape, self.dtype, self.device, config.kv_cache_dtype)
         bytes_per_block = (target_bytes + proposer_cls.kv_bytes_per_token(drafter_path, ctx)) * config.block_size

@@ -105,7 +105,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0            # prompt tokens served from the prefix cache
         self.num_drafter_computed = 0         # tokens whose K/V a drafter's own cache holds
-        self.drafter_start = 0                # its first valid slot: > 0 after a restart past its K/V (proposer.py)
+        self.drafter_start = 0                # its first valid slot: > 0 after a restart past its K/V (drafting/catch_up.py)
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0            # leading blocks registered in the prefix cache
         self.num_drafter_blocks = 0           # of those, leading blocks registered with the drafter's K/V too
