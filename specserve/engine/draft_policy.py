@@ -17,21 +17,21 @@ sequence's first row over the same context, in the CPU's caches; ~0.45 s on Smol
 drafter's time for a sequence's first draft token and c for each one after it, f its time per sequence that drafts
 (EAGLE3's head and MTP's layers run over its committed tokens after the step, whatever the draft's length), and r its
 time per token u_i it must catch up on before drafting for sequence i again (a drafter that skips sequences held at 0:
-EAGLE3's head and MTP's layers over the target's states they hold, a draft model over the tokens it has not seen;
-under load, a whole prompt), paid once, so spread over n_i, the steps the sequence is expected to go on drafting (the
-mean of recent runs of drafting steps in a row, at most the tokens it may still generate: acceptance.py). At a few
-hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row is attended on its own, so
-that its bits do not depend on its neighbours), and it grows with the batch's contexts, not with R alone. The
-prompt-chunk rows a step may also carry are left out of S: their time is spent whatever is drafted, and counting it
-would lower the step's ratio until every marginal draft token looked worth its verify row (under load most steps carry
-a new request's prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding
-was fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda decoding would
-reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i
-E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost over the whole batch
-(a token's verify row, slots and draft, plus d - c + f + r * u_i / n_i spread over the sequence's cap) visits, for
-every total n, about the allocation with the most expected tokens at that cost; G is evaluated exactly at every n at
-once and the best n taken. Cheap verify rows and high acceptance give long chains; a large batch (T steep in R) with
-low acceptance gives 0.
+EAGLE3's head and MTP's layers over the last 64 target states they hold, drafting/catch_up.py; a draft model over the
+tokens it has not seen, under load a whole prompt), paid once, so spread over n_i, the steps the sequence is expected
+to go on drafting (the mean of recent runs of drafting steps in a row, at most the tokens it may still generate:
+acceptance.py). At a few hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row
+is attended on its own, so that its bits do not depend on its neighbours), and it grows with the batch's contexts, not
+with R alone. The prompt-chunk rows a step may also carry are left out of S: their time is spent whatever is drafted,
+and counting it would lower the step's ratio until every marginal draft token looked worth its verify row (under load
+most steps carry a new request's prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where
+plain decoding was fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda
+decoding would reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput
+G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost over
+the whole batch (a token's verify row, slots and draft, plus d - c + f + r * u_i / n_i spread over the sequence's cap)
+visits, for every total n, about the allocation with the most expected tokens at that cost; G is evaluated exactly at
+every n at once and the best n taken. Cheap verify rows and high acceptance give long chains; a large batch (T steep
+in R) with low acceptance gives 0.
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
 decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by SEQ_DECAY
