@@ -154,7 +154,7 @@ class MTPProposer(Proposer):
         for seq, state in work:
             if skip := backlog_skip(state.num_pending, self.window):    # restart at the row after: the layers' tails
                 rows = drop_rows(state.pending, skip)                  # there are unknown, as at a prefix-cache hit's
-                state.tails = torch.cat([rows[0][:1], state.tails[1:].new_zeros(state.tails[1:].shape)])
+                state.tails = torch.cat([rows[0][:1], torch.zeros_like(state.tails[1:])])
                 state.pending, state.num_pending = [torch.cat(rows)[1:]], state.num_pending - skip - 1
                 state.num_computed = seq.drafter_start = seq.num_drafter_computed = state.num_computed + skip + 1
         # the last token's slot too, when the sequence decodes and its block exists: the first draft step is
