@@ -119,6 +119,24 @@ def test_verify_step_end_to_end():
     assert verified.paths == {}
 
 
+@pytest.mark.parametrize("temperature, logprobs", [(0.0, None), (0.0, 2), (1.0, None)])
+def test_verify_step_computes_logits_at_the_sampling_rows_only(temperature, logprobs):
+    """A chain of 5 beside a chain of 1 and a decode row: 9 rows of logits, not 3 x 6 padded to the longest; the
+    padded rows of the short ones still draw their last row's token."""
+    seqs = [seq_of([1, 2, 3], 2, temperature), seq_of([1, 2], 1, temperature), seq_of([3], 0, temperature)]
+    for seq in seqs:
+        seq.params.logprobs = logprobs
+    scheduled = [ScheduledSeq(seq, 1, n) for seq, n in zip(seqs, [5, 1, 0])]
+    draft = Draft([[1, 2, 3, 4, 5], [2], []], trees=[None] * 3)
+    argmax = [1, 2, 3, 0, 0, 0, 2, 4, 5]             # chain 1 keeps 1, 2, 3 then 0; chain 2 keeps 2 then 4; then 5
+    rows = []
+    verified = verify_step(scheduled, draft, one_hot_logits(argmax) * 10, lambda h: rows.append(len(h)) or h)
+    assert rows == [9]
+    assert verified.tokens == [[1, 2, 3, 0], [2, 4], [5]]   # sampled: near one-hot, the rejection rule agrees
+    if logprobs:                                      # each from its own row: the row's most likely token
+        assert [[lp.top[0][0] for lp in verified.logprobs[i]] for i in range(3)] == verified.tokens
+
+
 def test_draft_for_batch_places_rows_cuts_them_and_derives_trees():
     probs = torch.rand(2, 3, V)
     draft = Draft([[1, 2, 3], [4, 5, 6]], probs, [[-1, -1, 0], [-1, 0, 1]])

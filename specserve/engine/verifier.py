@@ -50,16 +50,17 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
     prompt = prompt_logprobs(scheduled, hidden, compute_logits, where.offsets)
     if where.seqs:
         K = max(len(r) for r in where.rows) - 1
-        pad = torch.tensor([r + [r[-1]] * (K + 1 - len(r)) for r in where.rows], device=hidden.device)  # [B, K+1]
-        logits = compute_logits(hidden[pad.view(-1)])                                  # [B*(K+1), V]
+        flat = [r for rows in where.rows for r in rows]
+        logits = compute_logits(hidden[torch.tensor(flat, device=hidden.device)])     # [N, V]: sampling rows only
+        pad = padded_rows([len(r) for r in where.rows], K, logits.device)             # [B, K+1] rows of logits
         seqs = [scheduled[i].seq for i in where.seqs]
         trees = [draft.trees[i] for i in where.seqs]
         if any(has_processing(seq.params) or seq.grammar is not None for seq in seqs):
             prefixes = [row_prefixes(draft.token_ids[i], tree, K) for i, tree in zip(where.seqs, trees)]
-            logits_p = process_batch(grammar_masked(logits, seqs, prefixes), seqs, prefixes, eos_ids)
+            logits_p = process_batch(grammar_masked(logits[pad.view(-1)], seqs, prefixes), seqs, prefixes, eos_ids)
+            y, p = draw_target(logits_p, seqs, trees, K)
         else:                                   # the common case: raw logits, no per-row token lists built
-            logits_p = logits
-        y, p = draw_target(logits_p, seqs, trees, K)
+            y, p = draw_target(logits, seqs, trees, K, pad)
         chain = [b for b, tree in enumerate(trees) if tree is None]
         if chain:
             ids = [draft.token_ids[where.seqs[b]] for b in chain]
@@ -74,7 +75,7 @@ def verify_step(scheduled: list[ScheduledSeq], draft: Draft, hidden: torch.Tenso
             if tree is not None:
                 i = where.seqs[b]
                 tokens[i], paths[i] = accept_tree_draft(y[b], tree, draft.token_ids[i])
-        logprobs = committed_logprobs(logits.view(len(seqs), K + 1, -1), where.seqs, seqs, tokens, paths)
+        logprobs = committed_logprobs(logits, pad, where.seqs, seqs, tokens, paths)
         return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths, logprobs, prompt)
     return Verified(tokens, committed_rows(scheduled, where.offsets, tokens, paths), paths, prompt_logprobs=prompt)
 
@@ -98,17 +99,18 @@ def prompt_logprobs(scheduled: list[ScheduledSeq], hidden: torch.Tensor, compute
     return out
 
 
-def committed_logprobs(logits: torch.Tensor, indices: list[int], seqs: list[Sequence], tokens: list[list[int] | None],
-                       paths: dict[int, list[int]]) -> dict[int, list[TokenLogprob]]:
-    """logits [B, K+1, V] of the sampling rows -> the logprobs of each committed token, for the requests that ask.
-    Token j of a chain came from row j; of a tree, from the row of the path node before it (row 0: the root)."""
+def committed_logprobs(logits: torch.Tensor, pad: torch.Tensor, indices: list[int], seqs: list[Sequence],
+                       tokens: list[list[int] | None], paths: dict[int, list[int]]) -> dict[int, list[TokenLogprob]]:
+    """logits [N, V] of the sampling rows (pad [B, K+1]: sequence b's row j) -> the logprobs of each committed token,
+    for the requests that ask. Token j of a chain came from row j; of a tree, from the row of the path node before
+    it (row 0: the root)."""
     out = {}
     for b, (i, seq) in enumerate(zip(indices, seqs)):
         if seq.params.logprobs is None:
             continue
         path = paths.get(i)
         rows = list(range(len(tokens[i]))) if path is None else [0] + [node + 1 for node in path[:len(tokens[i]) - 1]]
-        out[i] = token_logprobs(logits[b, rows], tokens[i], seq.params.logprobs)
+        out[i] = token_logprobs(logits[pad[b, rows]], tokens[i], seq.params.logprobs)
     return out
 
 
@@ -150,14 +152,26 @@ def gather_rows(scheduled: list[ScheduledSeq], draft: Draft) -> SampleRows:
     return SampleRows(seqs, rows, offsets)
 
 
-def draw_target(logits: torch.Tensor, seqs: list[Sequence], trees: list[Tree | None], K: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [B*(K+1), V] -> (y [B, K+1], the target's draw at every row; p [B, K+1, V], or None when every
-    sequence is greedy). Greedy takes the argmax; sampling draws from compute_probs with the uniform of the
-    sequence position the row's token would take (a tree node's: by its depth)."""
+def padded_rows(lengths: list[int], K: int, device) -> torch.Tensor:
+    """[B, K+1]: where sequence b's sampling row j lies among all sequences' rows laid end to end (rows past its
+    last repeat its last). Logits are computed at the rows themselves: padded, a sequence drafting 8 tokens beside
+    15 drafting none made 144 rows of the vocabulary's matmul out of 23."""
+    firsts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    return (firsts[:, None] + torch.minimum(torch.arange(K + 1)[None, :], torch.tensor(lengths)[:, None] - 1)).to(device)
+
+
+def draw_target(logits: torch.Tensor, seqs: list[Sequence], trees: list[Tree | None], K: int,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B*(K+1), V], or [N, V] with pad [B, K+1] naming each sequence's row j -> (y [B, K+1], the target's
+    draw at every row; p [B, K+1, V], or None when every sequence is greedy). Greedy takes the argmax; sampling draws
+    from compute_probs with the uniform of the sequence position the row's token would take (a tree node's: by its
+    depth)."""
     B = len(seqs)
     if all(seq.params.greedy for seq in seqs):
-        return logits.float().view(B, K + 1, -1).argmax(dim=-1).cpu(), None   # fp32: bf16 argmax is slow
+        y = logits.float().argmax(dim=-1)                                       # fp32: bf16 argmax is slow
+        return (y.view(B, K + 1) if pad is None else y[pad]).cpu(), None
+    if pad is not None:
+        logits = logits[pad.view(-1)]
     p = compute_probs(logits, *sampling_tensors([seq.params for seq in seqs], K + 1, logits.device))
     p = p.view(B, K + 1, -1).cpu()
     depths = [tree.depth.tolist() if tree is not None else list(range(1, K + 1)) for tree in trees]
