@@ -122,7 +122,7 @@ def make_drafts_free(llm, monkeypatch) -> None:
     for name in ("per_draft_token", "per_first_draft_token", "per_catch_up_token", "per_row_slot", "per_chain_row_slot",
                  "per_drafting_seq"):
         monkeypatch.setattr(costs, name, 0.0)
-    for name in ("observe_target", "observe_drafter", "observe_deferred"):
+    for name in ("observe_target", "observe_drafter", "observe_deferred", "observe_catch_up"):
         monkeypatch.setattr(type(costs), name, lambda self, *args: None)
 
 

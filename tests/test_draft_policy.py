@@ -275,6 +275,13 @@ def test_a_cost_per_drafting_sequence_buys_longer_drafts_than_the_same_cost_per_
     costs = StepCosts()
     costs.observe_drafting([[5, 6], [], [7]], 0.004, 0, deferred=0.010)
     assert costs.per_drafting_seq == pytest.approx(0.005) and costs.per_draft_token == pytest.approx(0.004 / 3)
+    # a catch-up the drafter timed apart is r's alone: 3 sequences, 65 tokens each, 80 us a token, beside 2 ms drafts
+    costs = StepCosts()
+    for _ in range(10):
+        costs.observe_drafting([[5, 6]], 0.004, 0, deferred=0.0, catch_up_seconds=0.0)
+    costs.observe_drafting([[5], [6], [7]], 0.006 + 195 * 80e-6, 195, deferred=0.0, catch_up_seconds=195 * 80e-6)
+    assert costs.per_catch_up_token == pytest.approx(80e-6) and costs.num_catch_up_samples == 1
+    assert costs.per_first_draft_token == pytest.approx(0.002) and costs.per_draft_token == pytest.approx(0.002)
 
 
 def test_a_first_call_over_a_whole_prompt_does_not_price_the_draft_tokens():

@@ -15,6 +15,7 @@ from specserve.models.mtp import (MultiTokenPredictor, load_mtp, save_mtp_folder
 from specserve.models.registry import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.drafting.factory import drafter_kind
+from specserve.drafting.catch_up import catch_up_rows
 from specserve.train.cli import main as train_main
 
 from conftest import TEXT, make_checkpoint
@@ -250,6 +251,30 @@ def test_the_layers_forward_after_a_step_is_priced_per_drafting_sequence(trained
     llm.generate(PROMPTS[0], greedy(12, num_assistant_tokens=2))
     assert costs.num_deferred_samples >= 3 and costs.per_drafting_seq >= 0.02
     assert costs.per_draft_token < 0.01
+
+
+def test_a_catch_up_in_propose_is_timed_apart_and_priced_per_token_caught_up(trained):
+    """A sequence that drafts again after steps held at 0 first runs the layers over its backlog, inside propose().
+    Timed apart (Proposer.catch_up_seconds), that time is r's, per token caught up on, and not the draft tokens'
+    d or c: fitted with them, MTP's first call at 4 sonnet requests (3 sequences, 65 tokens each, one draft token
+    each) priced a first draft token at 4.1 ms against 2.1 and held the round at 0."""
+    llm = LLM(str(trained), kv_cache_memory_gb=0.01)
+    rng = np.random.default_rng(0)
+    llm.engine.policy.choose_afresh = lambda candidates, *_: [int(rng.choice([0, 0, c.max_tokens])) for c in candidates]
+    proposer, costs = llm.engine.proposer, llm.engine.policy.costs
+    catch_up, propose, proposing, caught_up = proposer._catch_up, proposer.propose, [], []
+
+    def slow_in_propose(work):
+        if work and proposing:
+            caught_up.append(sum(catch_up_rows(st.num_pending, proposer.window) for _, st in work))
+            time.sleep(0.03)
+        return catch_up(work)
+    proposer._catch_up = slow_in_propose
+    proposer.propose = lambda *args: (proposing.append(1), propose(*args), proposing.clear())[1]
+    llm.generate(PROMPTS, greedy(24))
+    assert len(caught_up) >= 2 and costs.num_catch_up_samples == len(caught_up)
+    assert costs.per_catch_up_token >= 0.03 / max(caught_up)
+    assert costs.per_first_draft_token < 0.01 and costs.per_draft_token < 0.01
 
 
 def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):

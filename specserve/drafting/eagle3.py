@@ -216,8 +216,9 @@ class Eagle3Proposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         trees: dict[int, GrowingTree] = {}
-        self._catch_up([(seq, state) for seq in seqs if (state := self.states.get(seq.seq_id)) is not None
-                        and state.num_pending and state.num_computed == seq.num_drafter_computed])
+        self.catch_up_seconds = timed(self._catch_up, [
+            (seq, state) for seq in seqs if (state := self.states.get(seq.seq_id)) is not None
+            and state.num_pending and state.num_computed == seq.num_drafter_computed])
         self.drafted = {seq.seq_id for seq in seqs}
         for i, (seq, k) in enumerate(zip(seqs, num_draft_tokens)):
             state = self.states.get(seq.seq_id)

@@ -193,7 +193,7 @@ class MTPProposer(Proposer):
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> Draft:
         N = self.mtp.num_layers
         states = [self._state(seq, seq.num_computed_tokens) for seq in seqs]
-        self._catch_up([(seq, st) for seq, st in zip(seqs, states) if st.pending])
+        self.catch_up_seconds = timed(self._catch_up, [(seq, st) for seq, st in zip(seqs, states) if st.pending])
         self.drafted = {seq.seq_id for seq in seqs}
         assert all(st.num_computed == len(seq) - 1 for st, seq in zip(states, seqs)), "drafting sequences are caught up"
         outputs = [st.tails[:0] for st in states]          # each sequence's rows of the previous step

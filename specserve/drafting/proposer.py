@@ -189,6 +189,8 @@ class Proposer(ABC):
     max_model_len: int | None = None
     #: True when its head can be cut to a token map (drafting/token_map.py)
     uses_token_map: bool = False
+    #: seconds the last propose() spent catching up, timed apart from its drafting; None where the two share forwards
+    catch_up_seconds: float | None = None
 
     @classmethod
     def create(cls, path: Path | None, ctx: DrafterContext) -> Proposer:

@@ -83,8 +83,7 @@ class LLMEngine:
             self.policy.calibrate(self.time_forward, min(num_blocks * config.block_size, self.max_model_len))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_tokens = num_blocks * config.block_size
-        # a sequence never outgrows the whole KV cache (else it could never be scheduled again)
-        self.max_model_len = min(self.max_model_len, self.max_num_tokens - 1)
+        self.max_model_len = min(self.max_model_len, self.max_num_tokens - 1)   # else it could never be scheduled
         self.requests: dict[str, Sequence] = {}
         self.parked: dict[str, list[Sequence]] = {}    # request id -> siblings waiting for its prompt (n > 1)
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -210,7 +209,8 @@ class LLMEngine:
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
         deferred = self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
-        self.policy.costs.observe_drafting(draft.token_ids, drafted - start, num_catch_up, deferred)
+        self.policy.costs.observe_drafting(draft.token_ids, drafted - start, num_catch_up, deferred,
+                                           self.proposer.catch_up_seconds)
         for s in scheduled:
             if not s.seq.is_finished:
                 self._register(s.seq)

@@ -13,7 +13,7 @@ so that they do not skew T) a running mean of what such steps took beyond T and 
 least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up tokens over
 recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and caught-up
 tokens alike until a call without catch-up tells them apart: on draft tokens alone, a first call over a whole prompt
-priced drafting out); f a running mean of the forwards a deferring drafter runs after a step (`on_target_forward`) per
+priced drafting out), r measured on its own where the drafter times its catch-up apart (EAGLE3, MTP); f a running mean of the forwards a deferring drafter runs after a step (`on_target_forward`) per
 sequence that drafted in it (as a per-token cost, it made every token after a sequence's first look as dear as the
 first)."""
 from __future__ import annotations
@@ -50,6 +50,7 @@ class StepCosts:
     per_draft_token: float = 0.0        # c: each draft token after a sequence's first
     per_first_draft_token: float = 0.0  # d: a sequence's first draft token (the call's own overhead with it)
     per_catch_up_token: float = 0.0
+    num_catch_up_samples: int = 0
     num_draft_samples: int = 0
     # decayed [x x^T | x * seconds] of propose() calls, x = (drafting sequences, draft tokens after each one's
     # first, caught-up tokens): d, c and r's fit
@@ -181,12 +182,26 @@ class StepCosts:
         rate = warm_rate(self.num_deferred_samples)
         self.per_drafting_seq += rate * (seconds / num_seqs - self.per_drafting_seq)
 
-    def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float) -> None:
+    def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float,
+                         catch_up_seconds: float | None = None) -> None:
         """A step's drafter time: propose()'s `seconds` for its draft tokens and the num_catch_up tokens it caught up
-        on (c, r), and the `deferred` seconds of forwards after the step for the sequences that drafted (f)."""
+        on (d, c, r), and the `deferred` seconds of forwards after the step for the sequences that drafted (f).
+        catch_up_seconds: the part of `seconds` the drafter timed as its catch-up (Proposer.catch_up_seconds), r's
+        own measure; fitted with the draft tokens instead, MTP's first call at 4 sonnet requests (3 sequences, 65
+        tokens each to catch up on, one draft token each) put its time on d (4.1 ms against 2.1) and held the round."""
         num_seqs = sum(map(bool, token_ids))
+        if catch_up_seconds is not None:
+            self.observe_catch_up(num_catch_up, catch_up_seconds)
+            seconds, num_catch_up = max(0.0, seconds - catch_up_seconds), 0
         self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up, num_seqs)
         self.observe_deferred(num_seqs, deferred)
+
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        """A catch-up timed on its own: r, a running mean per token caught up on."""
+        if num_tokens > 0:
+            self.num_catch_up_samples += 1
+            rate = warm_rate(self.num_catch_up_samples)
+            self.per_catch_up_token += rate * (seconds / num_tokens - self.per_catch_up_token)
 
 
 def row_slots(start: int, rows: int) -> int:
