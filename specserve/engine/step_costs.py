@@ -13,9 +13,9 @@ so that they do not skew T) a running mean of what such steps took beyond T and 
 least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up tokens over
 recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and caught-up
 tokens alike until a call without catch-up tells them apart: on draft tokens alone, a first call over a whole prompt
-priced drafting out), r measured on its own where the drafter times its catch-up apart (EAGLE3, MTP); f a running mean of the forwards a deferring drafter runs after a step (`on_target_forward`) per
-sequence that drafted in it (as a per-token cost, it made every token after a sequence's first look as dear as the
-first)."""
+priced drafting out), r measured on its own where the drafter times its catch-up apart (EAGLE3, MTP); f a running
+mean of the forwards a deferring drafter runs after a step (`on_target_forward`) per sequence that drafted in it (as a
+per-token cost, it made every token after a sequence's first look as dear as the first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -197,7 +197,9 @@ class StepCosts:
         self.observe_deferred(num_seqs, deferred)
 
     def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
-        """A catch-up timed on its own: r, a running mean per token caught up on."""
+        """A catch-up timed on its own: r, a running mean per token caught up on. A call over a few tokens also pays
+        its forward's own overhead (~2 ms for MTP's layers), which this lays on its tokens: r read 0.68 ms after such
+        calls against 0.08 over 65-token backlogs (benchmarks/NOTES.md, session 33; to be fitted per call and token)."""
         if num_tokens > 0:
             self.num_catch_up_samples += 1
             rate = warm_rate(self.num_catch_up_samples)
