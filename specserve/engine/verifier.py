@@ -156,8 +156,8 @@ def padded_rows(lengths: list[int], K: int, device) -> torch.Tensor:
     """[B, K+1]: where sequence b's sampling row j lies among all sequences' rows laid end to end (rows past its
     last repeat its last). Logits are computed at the rows themselves: padded, a sequence drafting 8 tokens beside
     15 drafting none made 144 rows of the vocabulary's matmul out of 24."""
-    firsts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-    return (firsts[:, None] + torch.minimum(torch.arange(K + 1)[None, :], torch.tensor(lengths)[:, None] - 1)).to(device)
+    firsts, last = torch.tensor([0] + lengths[:-1]).cumsum(0), torch.tensor(lengths) - 1
+    return (firsts[:, None] + torch.minimum(torch.arange(K + 1)[None, :], last[:, None])).to(device)
 
 
 def draw_target(logits: torch.Tensor, seqs: list[Sequence], trees: list[Tree | None], K: int,
