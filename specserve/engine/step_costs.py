@@ -38,6 +38,12 @@ def warm_rate(count: int) -> float:
     return max(TIME_RATE, 1 / count)
 
 
+def running_mean(mean: float, count: int, x: float) -> tuple[float, int]:
+    """A running estimate and its count of observations, after observing x (moved by warm_rate)."""
+    count += 1
+    return mean + warm_rate(count) * (x - mean), count
+
+
 @dataclass(slots=True)
 class StepCosts:
     """T(R) as a calibrated table over row counts (linear between points, beyond the last along its last slope) times
@@ -109,9 +115,8 @@ class StepCosts:
             self.observe_target(decode_rows, max(seconds - attention, 0.5 * float(self.target(decode_rows))))
             return
         residual = max(0.0, seconds - attention - (float(self.target(decode_rows)) if decode_rows else 0.0))
-        self.num_prompt_samples += 1
-        rate = warm_rate(self.num_prompt_samples)
-        self.per_prompt_row += rate * (residual / prompt_rows - self.per_prompt_row)
+        self.per_prompt_row, self.num_prompt_samples = running_mean(self.per_prompt_row, self.num_prompt_samples,
+                                                                    residual / prompt_rows)
 
     def observe_target(self, rows: int, seconds: float) -> None:
         """Scale the calibrated table toward a measured time: one factor for all rows (a geometric running mean), so
@@ -178,9 +183,8 @@ class StepCosts:
         sequences that drafted, the first forward of their next draft): f, a running mean per such sequence."""
         if num_seqs <= 0:
             return
-        self.num_deferred_samples += 1
-        rate = warm_rate(self.num_deferred_samples)
-        self.per_drafting_seq += rate * (seconds / num_seqs - self.per_drafting_seq)
+        self.per_drafting_seq, self.num_deferred_samples = running_mean(
+            self.per_drafting_seq, self.num_deferred_samples, seconds / num_seqs)
 
     def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float,
                          catch_up_seconds: float | None = None) -> None:
@@ -201,9 +205,8 @@ class StepCosts:
         its forward's own overhead (~2 ms for MTP's layers), which this lays on its tokens: r read 0.68 ms after such
         calls against 0.08 over 65-token backlogs (benchmarks/NOTES.md, session 33; to be fitted per call and token)."""
         if num_tokens > 0:
-            self.num_catch_up_samples += 1
-            rate = warm_rate(self.num_catch_up_samples)
-            self.per_catch_up_token += rate * (seconds / num_tokens - self.per_catch_up_token)
+            self.per_catch_up_token, self.num_catch_up_samples = running_mean(
+                self.per_catch_up_token, self.num_catch_up_samples, seconds / num_tokens)
 
 
 def row_slots(start: int, rows: int) -> int:
