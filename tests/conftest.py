@@ -119,10 +119,10 @@ def make_drafts_free(llm, monkeypatch) -> None:
     import numpy as np
     costs = llm.engine.policy.costs
     monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
-    for name in ("per_draft_token", "per_first_draft_token", "per_catch_up_token", "per_row_slot", "per_chain_row_slot",
-                 "per_drafting_seq"):
+    for name in ("per_draft_call", "per_draft_step", "per_draft_seq", "per_draft_token", "per_catch_up_seq",
+                 "per_catch_up_token", "per_row_slot", "per_chain_row_slot"):
         monkeypatch.setattr(costs, name, 0.0)
-    for name in ("observe_target", "observe_drafter", "observe_deferred", "observe_catch_up"):
+    for name in ("observe_target", "observe_drafting"):
         monkeypatch.setattr(type(costs), name, lambda self, *args: None)
 
 

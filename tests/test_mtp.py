@@ -239,25 +239,25 @@ def test_a_windowed_catch_up_runs_the_layers_over_its_last_rows_only_and_stays_e
             assert draft[0] == int(mtp.compute_logits(0, out[:, -1], target).argmax())
 
 
-def test_the_layers_forward_after_a_step_is_priced_per_drafting_sequence(trained):
+def test_the_layers_forward_after_a_step_is_priced_per_step_that_drafts(trained):
     """After a step, the layers run over the committed tokens of every sequence that drafted (their next draft's
-    first forward): that is drafting's cost too, once per sequence that drafts whatever its length, so "auto"
-    prices it as f, apart from the per-token c of propose() (at one sequence it was 2.4 ms of a draft step's 3.8
-    on the default model; laid on the draft tokens, it made every token after the first look as dear)."""
+    first forward): that is drafting's cost too, once a step whatever the drafts' lengths, so "auto" prices it with
+    e and d, apart from the per-token c and per-step h of propose() (at one sequence it was 2.4 ms of a draft step's
+    3.8 on the default model; laid on the draft tokens, it made every token after the first look as dear)."""
     llm = LLM(str(trained), kv_cache_memory_gb=0.01)
     proposer, costs = llm.engine.proposer, llm.engine.policy.costs
     catch_up = proposer._catch_up
     proposer._catch_up = lambda work: (time.sleep(0.03) if work else None, catch_up(work))
     llm.generate(PROMPTS[0], greedy(12, num_assistant_tokens=2))
-    assert costs.num_deferred_samples >= 3 and costs.per_drafting_seq >= 0.02
-    assert costs.per_draft_token < 0.01
+    assert costs.deferred_fit.count >= 3 and costs.per_draft_call + costs.per_draft_seq >= 0.02
+    assert costs.per_draft_token + costs.per_draft_step < 0.01
 
 
-def test_a_catch_up_in_propose_is_timed_apart_and_priced_per_token_caught_up(trained):
+def test_a_catch_up_in_propose_is_timed_apart_and_priced_as_a_catch_up(trained):
     """A sequence that drafts again after steps held at 0 first runs the layers over its backlog, inside propose().
-    Timed apart (Proposer.catch_up_seconds), that time is r's, per token caught up on, and not the draft tokens'
-    d or c: fitted with them, MTP's first call at 4 sonnet requests (3 sequences, 65 tokens each, one draft token
-    each) priced a first draft token at 4.1 ms against 2.1 and held the round at 0."""
+    Timed apart (Proposer.catch_up_seconds), that time is the catch-up's (a per sequence, r per token caught up on)
+    and not the draft's: fitted with the draft tokens, MTP's first call at 4 sonnet requests (3 sequences, 65 tokens
+    each, one draft token each) priced a first draft token at 4.1 ms against 2.1 and held the round at 0."""
     llm = LLM(str(trained), kv_cache_memory_gb=0.01)
     rng = np.random.default_rng(0)
     llm.engine.policy.choose_afresh = lambda candidates, *_: [int(rng.choice([0, 0, c.max_tokens])) for c in candidates]
@@ -272,9 +272,9 @@ def test_a_catch_up_in_propose_is_timed_apart_and_priced_per_token_caught_up(tra
     proposer._catch_up = slow_in_propose
     proposer.propose = lambda *args: (proposing.append(1), propose(*args), proposing.clear())[1]
     llm.generate(PROMPTS, greedy(24))
-    assert len(caught_up) >= 2 and costs.num_catch_up_samples == len(caught_up)
-    assert costs.per_catch_up_token >= 0.03 / max(caught_up)
-    assert costs.per_first_draft_token < 0.01 and costs.per_draft_token < 0.01
+    assert len(caught_up) >= 2 and costs.catch_up_fit.count == len(caught_up)
+    assert costs.drafting([1], [max(caught_up)]) - costs.drafting([1]) >= 0.01
+    assert costs.drafting([1]) < 0.01
 
 
 def test_mixed_draft_lengths_and_max_tokens_unset(mtp_llm, plain):

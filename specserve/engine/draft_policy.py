@@ -7,18 +7,19 @@ given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits in expect
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + s_chain * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d - c + f + r * u_i / n_i),
-                                                                                     R = decode rows (1 + k_i each)
+    S(k) = T(R) + s * L + s_chain * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d + U_i / n_i) + [k > 0] (e + h * K),
+                                                                    R = decode rows (1 + k_i each), K = max_i k_i
 
 where T is the target's forward-and-verify time at R decode rows, L the cache slots the sequences' first decode rows
 attend (a row attends its whole context) and s the time such a row pays per slot, L_d the slots their drafts' verify
 rows attend (draft token j of sequence i reads ctx_i + j) and s_chain what those pay per slot (less: they follow their
-sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), d the
-drafter's time for a sequence's first draft token and c for each one after it, f its time per sequence that drafts
-(EAGLE3's head and MTP's layers run over its committed tokens after the step, whatever the draft's length), and r its
-time per token u_i it must catch up on before drafting for sequence i again (a drafter that skips sequences held at 0:
-EAGLE3's head and MTP's layers over the last 64 target states they hold, drafting/catch_up.py; a draft model over the
-tokens it has not seen, under load a whole prompt), paid once, so spread over n_i, the steps the sequence is expected
+sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), c the drafter's
+time per draft token, d per sequence that drafts (with EAGLE3's head and MTP's layers run over its committed tokens
+after the step, whatever the draft's length), h per draft step and e per step that drafts at all beyond them (a
+drafter forward's own time, whatever the batch: MTP's layers took 1.5 ms for one sequence's draft token on SmolLM2,
+2.2 ms for four), and U_i = a + r * u_i the catch-up of the u_i tokens it must run over before drafting for sequence i
+again (EAGLE3's head and MTP's layers over the last 64 target states they hold, drafting/catch_up.py; a draft model
+over the tokens it has not seen, under load a whole prompt), paid once, so spread over n_i, the steps it is expected
 to go on drafting (the mean of recent runs of drafting steps in a row, at most the tokens it may still generate:
 acceptance.py). At a few hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row
 is attended on its own, so that its bits do not depend on its neighbours), and it grows with the batch's contexts, not
@@ -28,7 +29,7 @@ most steps carry a new request's prompt: at 32 concurrent 256-token requests aut
 plain decoding was fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda
 decoding would reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput
 G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost over
-the whole batch (a token's verify row, slots and draft, plus d - c + f + r * u_i / n_i spread over the sequence's cap)
+the whole batch (a token's verify row, slots and c, plus d + U_i / n_i spread over the sequence's cap)
 visits, for every total n, about the allocation with the most expected tokens at that cost; G is evaluated exactly at
 every n at once and the best n taken. Cheap verify rows and high acceptance give long chains; a large batch (T steep
 in R) with low acceptance gives 0.
@@ -37,21 +38,21 @@ Estimates. a_ij blends the sequence's own decayed counts with a prior, the metho
 decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by SEQ_DECAY
 per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate returns toward the
 method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat at a_1 ~ 0.22, the
-break-even, and stayed held for the rest of the request. The costs (T, s, s_chain, P, d, c, r and f) are measured at
+break-even, and stayed held for the rest of the request. The costs (T, s, s_chain, P, c, d, e, h, a, r) are measured at
 start-up and corrected after every step: engine/step_costs.py. A sequence held at 0 drafts one token every PROBE_EVERY
 steps, so its estimate can recover (the explore step of a bandit); each probe in a row that lands nothing doubles the
 wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
 drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain
 decoding's speed. So probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them)
-accrues as credit, and a due probe is made when the credit covers its cost (its catch-up r * u_i, its verify row, its
-draft token d, f). Exploration then costs at most that share, at any load (a budget per probe that paid only the probe's
-verify row stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost the draft
-model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at which a
-probe got its sequence drafted the step after, capped at 1 and floored at MIN_EXPLORE_FRACTION: on text no drafter
-predicts, every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of k=0 on its own server. A choice that
-holds the whole batch at 0 is kept for its sequences for up to HOLD_STEPS steps, unless a probe falls due and is paid
-for: choosing takes ~0.3 ms at 8 sequences of SmolLM2 (its numpy calls run cold after a forward), ~1% of a step, and a
-held batch's estimates only drift.
+accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U_i, its verify row, c, d, and
+e if nothing else drafts). Exploration then costs at most that share, at any load (a budget per probe that paid only the
+probe's verify row stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost the
+draft model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at
+which a probe got its sequence drafted the step after, capped at 1 and floored at MIN_EXPLORE_FRACTION: on text no
+drafter predicts, every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of k=0 on its own server. A choice
+that holds the whole batch at 0 is kept for its sequences for up to HOLD_STEPS steps, unless a probe falls due and is
+paid for: choosing takes ~0.3 ms at 8 sequences of SmolLM2 (its numpy calls run cold after a forward), ~1% of a step,
+and a held batch's estimates only drift.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's verify
 costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec (draft lengths
@@ -160,11 +161,9 @@ class DraftPolicy:
         gains[np.arange(K) >= caps[:, None]] = -1.0
         costs = self.costs
         target = costs.target(fixed_rows + np.arange(int(caps.sum()) + 2))  # T at fixed_rows + n rows, n = 0 .. all
-        catch_up *= costs.per_catch_up_token
-        # what drafting costs a sequence in a step beyond its tokens at c each: its share of the catch-up (over the
-        # steps it is expected to draft in a row), f, and what its first draft token costs beyond c (d - c)
-        spread = catch_up / self.runs.expected(remaining) \
-            + (costs.per_drafting_seq + costs.per_first_draft_token - costs.per_draft_token)
+        catch_up = np.where(catch_up > 0, costs.per_catch_up_seq, 0.0) + catch_up * costs.per_catch_up_token
+        # a sequence's drafting beyond its tokens at c each: d, and its catch-up shared by its expected run of steps
+        spread = catch_up / self.runs.expected(remaining) + costs.per_draft_seq
         positions = np.arange(1, K + 1)
         unit = (float(target[1] - target[0]) + costs.per_draft_token) \
             + costs.per_chain_row_slot * (contexts[:, None] + positions) + (spread / np.maximum(caps, 1))[:, None]
@@ -173,14 +172,15 @@ class DraftPolicy:
         usable = int(np.count_nonzero(sorted_gains >= 0))
         order = order[:usable]
         seq, position = np.divmod(order, K)
-        # per token added, in order: its expected tokens, the slots it attends (context + position), and what it
-        # costs beyond its row and c (a sequence's first token: spread)
-        added = np.zeros((3, usable + 1))
+        # per token added, in order: its expected tokens, the slots it attends (context + position), what it costs
+        # beyond its row and c (a sequence's first token: spread), and the drafter's forwards' own time (e, h) so far
+        added = np.zeros((4, usable + 1))
         np.cumsum(sorted_gains[:usable], out=added[0, 1:])
         np.cumsum(contexts[seq] + position + 1, out=added[1, 1:])
         np.cumsum(np.where(position == 0, spread[seq], 0.0), out=added[2, 1:])
-        seconds = target[:usable + 1] + costs.attention(fixed_slots, fixed_chain_slots + added[1]) \
-            + costs.per_draft_token * np.arange(usable + 1) + added[2]
+        added[3, 1:] = costs.per_draft_call + costs.per_draft_step * (np.maximum.accumulate(position) + 1)
+        seconds = target[:usable + 1] + costs.attention(fixed_slots, fixed_chain_slots + added[1]) + added[2] \
+            + added[3] + costs.per_draft_token * np.arange(usable + 1)
         best = int(np.argmax((num_fixed_tokens + added[0]) / seconds))
         lengths = np.bincount(seq[:best], minlength=B)
         self.explore(candidates, rows, lengths, caps, catch_up + float(target[best + 1] - target[best])
@@ -191,7 +191,7 @@ class DraftPolicy:
                 probe_costs: np.ndarray, step_seconds: float) -> None:
         """A sequence held at 0 probes one token now and then (lengths[i] = 1), paid from a budget of EXPLORE_SHARE of
         the steps' time; what goes unspent is kept, up to what the longest wait between probes accrues. probe_costs:
-        each one's catch-up and verify row (one more row, and its slots); its first draft token and f are added."""
+        each one's catch-up and verify row (one more row, and its slots); its drafting is added."""
         self.record_probes(candidates, lengths)
         for steps in self.seqs.advance_runs(rows, lengths):     # as chosen, before probes
             self.runs.end(steps)
@@ -201,7 +201,7 @@ class DraftPolicy:
         idle = np.where(held, seqs.idle[rows] + 1, 0)
         wait = PROBE_EVERY << np.minimum(seqs.failed[rows], MAX_BACKOFF)         # the idle steps before a probe
         due = np.flatnonzero(held & (idle >= wait) & (caps > 0))
-        probe_costs = probe_costs + self.costs.per_first_draft_token + self.costs.per_drafting_seq
+        probe_costs = probe_costs + self.costs.drafting([1]) - lengths.any() * self.costs.per_draft_call
         for i in due:
             if probe_costs[i] <= self.explore_credit:
                 lengths[i], idle[i], held[i] = 1, 0, False

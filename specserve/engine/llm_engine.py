@@ -198,7 +198,7 @@ class LLMEngine:
         return outputs
 
     def run_step(self, scheduled: list[ScheduledSeq]) -> list[StepOutput]:
-        num_catch_up = sum(self.proposer.catch_up_tokens(s.seq) for s in scheduled if s.num_draft_tokens > 0)
+        catch_up = [self.proposer.catch_up_tokens(s.seq) for s in scheduled if s.num_draft_tokens > 0]
         start = time.perf_counter()
         draft = cut_at_grammar(self.propose(scheduled), [s.seq for s in scheduled])
         drafted = time.perf_counter()
@@ -209,7 +209,7 @@ class LLMEngine:
         outputs = self.postprocess(scheduled, draft, verified)
         self.draft_gauges.observe([s.num_draft_tokens for s in scheduled if s.num_new == 1])
         deferred = self.proposer.on_target_forward([s.seq for s in scheduled], TargetHidden(hidden, aux, verified.rows))
-        self.policy.costs.observe_drafting(draft.token_ids, drafted - start, num_catch_up, deferred,
+        self.policy.costs.observe_drafting(draft.token_ids, drafted - start, catch_up, deferred,
                                            self.proposer.catch_up_seconds)
         for s in scheduled:
             if not s.seq.is_finished:

@@ -1,7 +1,7 @@
 """The cost side of "auto" (engine/draft_policy.py): the target's forward-and-verify time T(R) over decode rows, the
 time s a sequence's first row pays per cache slot it attends and s_chain each of its draft's verify rows, P per
-prompt-chunk row, and the drafter's d per sequence's first draft token, c per draft token after it, r per token caught
-up on and f per sequence that drafts (its forwards deferred past the step).
+prompt-chunk row, and the drafter's c per draft token, d per sequence that drafts, h per draft step (its longest
+draft's tokens), e per step that drafts beyond that, and a per sequence and r per token it catches up on.
 
 T is a table over row counts of one-slot rows, s the difference CALIBRATION_SLOTS-slot rows make and s_chain the
 difference the same rows make as chains of CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of
@@ -9,13 +9,20 @@ CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one seque
 is no line over a few rows on a CPU: the weights' reads bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4
 ms each where its 7th and 8th cost 5); T's table is scaled, by one factor that keeps its shape, after every decode-only
 step toward its measured time less s * L + s_chain * L_d; P (the time per prompt-chunk row, from steps with prompt rows,
-so that they do not skew T) a running mean of what such steps took beyond T and the slots' time; d, c and r a
-least-squares fit of propose() times to its drafting sequences, their further draft tokens and its caught-up tokens over
-recent steps (draft tokens alike until drafts of different lengths tell the first from the rest; draft and caught-up
-tokens alike until a call without catch-up tells them apart: on draft tokens alone, a first call over a whole prompt
-priced drafting out), r measured on its own where the drafter times its catch-up apart (EAGLE3, MTP); f a running
-mean of the forwards a deferring drafter runs after a step (`on_target_forward`) per sequence that drafted in it (as a
-per-token cost, it made every token after a sequence's first look as dear as the first)."""
+so that they do not skew T) a running mean of what such steps took beyond T and the slots' time.
+
+The drafter's prices are non-negative least-squares fits over recent steps (`LinearFit`): propose()'s time against the
+tokens it caught up on, its draft steps, 1, its drafting sequences and its draft tokens (r, h, e, d, c);
+the forwards a deferring drafter runs after a step (`on_target_forward`: EAGLE3's head, MTP's layers over the committed
+tokens) against 1 and the sequences that drafted (e and d again); and where the drafter times its catch-up apart
+(EAGLE3, MTP), that time against the sequences and the tokens caught up on, and 1 (a, r; the call's own time laid on
+each sequence, as they mostly resume one at a time). A drafter's forward costs about the same for one sequence as for a
+few (MTP's layers on SmolLM2: 1.5 ms for one sequence's draft token, 2.2 ms for four's; a catch-up over 2 tokens ~2 ms,
+over 65 ~5 ms): priced per sequence and per token alone, drafting at 4 sequences looked 2.5x dearer than it was, and a
+catch-up over a few tokens set r to 0.68 ms a token, against 0.08, which held every sequence 65 tokens behind. Terms the
+recent steps do not tell apart (at one sequence e from d, and h from c) are priced by the first in that order, so that
+an unseen batch is priced as the steps seen were, per forward: priced per sequence, a batch held at 0 would never draft
+to show what it costs; and a catch-up, per sequence before per token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,6 +38,7 @@ CALIBRATION_ROUNDS = 5
 CALIBRATION_SLOTS = 512         # the context of the rows that measure s
 SLOT_CALIBRATION_ROWS = 32     # enough rows that their slots' time stands out of the noise (at 8, s measured 0)
 CHAIN_CALIBRATION_ROWS = 4      # and as chains of this many rows a sequence, s_chain
+COLLINEAR = 1e-2                # a fitted term this near a combination of the terms before it is left out
 
 
 def warm_rate(count: int) -> float:
@@ -47,24 +55,28 @@ def running_mean(mean: float, count: int, x: float) -> tuple[float, int]:
 @dataclass(slots=True)
 class StepCosts:
     """T(R) as a calibrated table over row counts (linear between points, beyond the last along its last slope) times
-    a factor measured steps correct, s, s_chain, P, d, c, r, f."""
+    a factor measured steps correct, s, s_chain, P, and the drafter's prices."""
     rows: np.ndarray = field(default_factory=lambda: np.array(CALIBRATION_ROWS, dtype=float))
     seconds: np.ndarray | None = None   # T at each of `rows`, as calibrated
     scale: float = 1.0                  # what measured steps make of it
     per_row_slot: float = 0.0           # s: a decode row's time per slot it attends (each sequence's first row)
     per_chain_row_slot: float = 0.0     # s_chain: the same for the rows after it, its draft's (the context is hot)
-    per_draft_token: float = 0.0        # c: each draft token after a sequence's first
-    per_first_draft_token: float = 0.0  # d: a sequence's first draft token (the call's own overhead with it)
-    per_catch_up_token: float = 0.0
-    num_catch_up_samples: int = 0
-    num_draft_samples: int = 0
-    # decayed [x x^T | x * seconds] of propose() calls, x = (drafting sequences, draft tokens after each one's
-    # first, caught-up tokens): d, c and r's fit
-    drafter_moments: np.ndarray = field(default_factory=lambda: np.zeros((3, 4)))
     per_prompt_row: float = 0.0
     num_prompt_samples: int = 0
-    per_drafting_seq: float = 0.0       # f
-    num_deferred_samples: int = 0
+    # the drafter's prices (`refresh`): per step that drafts (e), per draft step (h), per sequence that drafts (d), per
+    # draft token (c), per sequence caught up on (a) and per token caught up on (r)
+    per_draft_call: float = 0.0
+    per_draft_step: float = 0.0
+    per_draft_seq: float = 0.0
+    per_draft_token: float = 0.0
+    per_catch_up_seq: float = 0.0
+    per_catch_up_token: float = 0.0
+    # propose()'s seconds against (tokens caught up on, draft steps (the longest draft), 1, drafting sequences, draft
+    # tokens); the deferred forwards' against (1, drafting sequences); a catch-up timed apart against (sequences,
+    # tokens, 1)
+    drafter_fit: LinearFit = field(default_factory=lambda: LinearFit.of(5))
+    deferred_fit: LinearFit = field(default_factory=lambda: LinearFit.of(2))
+    catch_up_fit: LinearFit = field(default_factory=lambda: LinearFit.of(3))
 
     def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
         """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
@@ -126,87 +138,76 @@ class StepCosts:
         if rows > 0 and seconds > 0:
             self.scale *= (seconds / float(self.target(rows))) ** TIME_RATE
 
-    def observe_drafter(self, num_tokens: int, seconds: float, num_catch_up: int = 0, num_seqs: int = 1) -> None:
-        """A propose() call's time, ~ d * num_seqs + c * (num_tokens - num_seqs) + r * num_catch_up: d, c and r
-        refitted (non-negative) over the recent calls. A call's first draft token is dearer than the next ones for a
-        draft model (its forward also takes the tokens accepted since the last call, and the call's own overhead:
-        on SmolLM2 at one sequence 1.4 ms, then 0.8 ms a token) and cheaper for MTP (the first forward ran after
-        the last step, in f: 0.7 ms, then 1.6). Fitted through the origin over all tokens alike, a second token
-        looked as dear as the first for a draft model, and auto drafted one token where two were fastest. Until the
-        calls tell the first token from the others (drafts of different lengths), tokens are priced alike: c and r
-        fitted alone, r keeping its value while no recent call caught up on anything."""
-        if num_tokens <= 0:
-            return
-        self.num_draft_samples += 1
-        rate = warm_rate(self.num_draft_samples)
-        num_seqs = max(1, min(num_seqs, num_tokens))
-        x = np.array([num_seqs, num_tokens - num_seqs, num_catch_up], dtype=float)
-        self.drafter_moments = (1 - rate) * self.drafter_moments + rate * np.outer(x, [*x, seconds])
-        if not self.fit_first_token():
-            self.fit_tokens_alike()
-
-    def fit_first_token(self) -> bool:
-        """d, c and r from the moments, where the calls determine them (drafts of more than one length; r only where
-        a recent call caught up on something, else it keeps its value) and none comes out negative."""
-        gram, y = self.drafter_moments[:, :3], self.drafter_moments[:, 3]
-        terms = [0, 1, 2] if gram[2, 2] > 0 else [0, 1]
-        gram, y = gram[np.ix_(terms, terms)], y[terms]
-        diag = np.diag(gram)
-        if (diag <= 0).any() or np.linalg.det(gram) <= 1e-3 * diag.prod():
-            return False
-        fit = np.linalg.solve(gram, y)
-        if fit.min() < 0:
-            return False
-        self.per_first_draft_token, self.per_draft_token = fit[:2]
-        if len(terms) == 3:
-            self.per_catch_up_token = fit[2]
-        return True
-
-    def fit_tokens_alike(self) -> None:
-        """c (= d) and r from the moments, every draft token priced alike: x = (draft tokens, caught-up tokens)."""
-        m = self.drafter_moments
-        a = m[0, 0] + 2 * m[0, 1] + m[1, 1]
-        ab, b = m[0, 2] + m[1, 2], m[2, 2]
-        y = (m[0, 3] + m[1, 3], m[2, 3])
-        det = a * b - ab * ab
-        c, r = ((y[0] * b - ab * y[1]) / det, (a * y[1] - ab * y[0]) / det) if det > 1e-6 * a * b else (-1.0, -1.0)
-        if c >= 0 and r >= 0:
-            self.per_draft_token, self.per_catch_up_token = c, r
-        elif ab > 0 and self.per_catch_up_token == 0:   # every call caught up: price tokens of either kind alike
-            self.per_draft_token = self.per_catch_up_token = (y[0] + y[1]) / (a + 2 * ab + b)
-        else:           # no catch-up to separate (or a fit below 0 in one term): the other term takes all of it
-            self.per_draft_token = max(0.0, y[0] - ab * self.per_catch_up_token) / a
-        self.per_first_draft_token = self.per_draft_token
-
-    def observe_deferred(self, num_seqs: int, seconds: float) -> None:
-        """A step's deferred drafter forwards (Proposer.on_target_forward: the committed tokens of the num_seqs
-        sequences that drafted, the first forward of their next draft): f, a running mean per such sequence."""
-        if num_seqs <= 0:
-            return
-        self.per_drafting_seq, self.num_deferred_samples = running_mean(
-            self.per_drafting_seq, self.num_deferred_samples, seconds / num_seqs)
-
-    def observe_drafting(self, token_ids: list[list[int]], seconds: float, num_catch_up: int, deferred: float,
+    def observe_drafting(self, token_ids: list[list[int]], seconds: float, catch_up: list[int], deferred: float,
                          catch_up_seconds: float | None = None) -> None:
-        """A step's drafter time: propose()'s `seconds` for its draft tokens and the num_catch_up tokens it caught up
-        on (d, c, r), and the `deferred` seconds of forwards after the step for the sequences that drafted (f).
-        catch_up_seconds: the part of `seconds` the drafter timed as its catch-up (Proposer.catch_up_seconds), r's
-        own measure; fitted with the draft tokens instead, MTP's first call at 4 sonnet requests (3 sequences, 65
-        tokens each to catch up on, one draft token each) put its time on d (4.1 ms against 2.1) and held the round."""
-        num_seqs = sum(map(bool, token_ids))
+        """A step's drafter time: propose()'s `seconds` for its draft tokens and the catch_up[i] tokens it caught up on
+        for each sequence that asked for a draft, and the `deferred` seconds of forwards after the step for those
+        that drafted. catch_up_seconds: the part of `seconds` the drafter timed as its catch-up
+        (Proposer.catch_up_seconds), fitted on its own: with the draft tokens, MTP's first call at 4 sonnet requests
+        (3 sequences, 65 tokens each to catch up on, one draft token each) priced drafting at 4.1 ms a sequence
+        against 2.1 and held the round."""
+        lengths = [len(ids) for ids in token_ids if ids]
+        caught = [u for u in catch_up if u > 0]
         if catch_up_seconds is not None:
-            self.observe_catch_up(num_catch_up, catch_up_seconds)
-            seconds, num_catch_up = max(0.0, seconds - catch_up_seconds), 0
-        self.observe_drafter(sum(map(len, token_ids)), seconds, num_catch_up, num_seqs)
-        self.observe_deferred(num_seqs, deferred)
+            if caught:
+                self.catch_up_fit.observe((len(caught), sum(caught), 1), catch_up_seconds)
+            seconds, caught = max(0.0, seconds - catch_up_seconds), []
+        if lengths:
+            self.drafter_fit.observe((sum(caught), max(lengths), 1, len(lengths), sum(lengths)), seconds)
+            self.deferred_fit.observe((1, len(lengths)), deferred)
+        self.refresh()
 
-    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
-        """A catch-up timed on its own: r, a running mean per token caught up on. A call over a few tokens also pays
-        its forward's own overhead (~2 ms for MTP's layers), which this lays on its tokens: r read 0.68 ms after such
-        calls against 0.08 over 65-token backlogs (benchmarks/NOTES.md, session 33; to be fitted per call and token)."""
-        if num_tokens > 0:
-            self.per_catch_up_token, self.num_catch_up_samples = running_mean(
-                self.per_catch_up_token, self.num_catch_up_samples, seconds / num_tokens)
+    def refresh(self) -> None:
+        """The policy's prices, from the three fits."""
+        (r, self.per_draft_step, call, per_seq, self.per_draft_token), deferred = self.drafter_fit.coef, \
+            self.deferred_fit.coef
+        self.per_draft_call, self.per_draft_seq = call + deferred[0], per_seq + deferred[1]
+        if self.catch_up_fit.count:     # its call's own time laid on each sequence caught up (they resume one by one)
+            per_seq, r, call = self.catch_up_fit.coef
+            self.per_catch_up_seq = per_seq + call
+        self.per_catch_up_token = r
+
+    def drafting(self, lengths: list[int], catch_up: list[int] | None = None) -> float:
+        """The drafter's time, as priced, for a step drafting lengths[i] tokens for sequence i, which must first catch
+        up on catch_up[i] tokens."""
+        drafting = [(k, u) for k, u in zip(lengths, catch_up or [0] * len(lengths)) if k > 0]
+        if not drafting:
+            return 0.0
+        return self.per_draft_call + self.per_draft_step * max(k for k, _ in drafting) + sum(
+            self.per_draft_seq + self.per_draft_token * k + (u > 0) * self.per_catch_up_seq
+            + self.per_catch_up_token * u for k, u in drafting)
+
+
+@dataclass(slots=True)
+class LinearFit:
+    """seconds ~ coef . x with coef >= 0: least squares over the decayed moments [x x^T | x seconds] of the recent
+    observations, taking terms in order. A term the observations do not tell apart from the terms taken before it, or
+    that would drive a price below 0, is left at 0: the terms before it take the time. A term no recent observation
+    had keeps its coefficient."""
+    coef: np.ndarray
+    moments: np.ndarray
+    count: int = 0
+
+    @classmethod
+    def of(cls, num_terms: int) -> LinearFit:
+        return cls(np.zeros(num_terms), np.zeros((num_terms, num_terms + 1)))
+
+    def observe(self, x, seconds: float) -> None:
+        self.count += 1
+        rate = warm_rate(self.count)
+        x = np.asarray(x, dtype=float)
+        self.moments = (1 - rate) * self.moments + rate * np.outer(x, [*x, seconds])
+        moments = self.moments.tolist()        # a few terms: plain floats are quicker than numpy's calls on them
+        diag = [row[i] for i, row in enumerate(moments)]
+        seen = [i for i, x in enumerate(diag) if x > 1e-9 * max(diag)]
+        terms, fit = [], []
+        for t in seen:      # in order, each term the terms kept so far do not (nearly) explain, if no price goes below 0
+            with_t = eliminate(moments, terms + [t])
+            if with_t is not None and min(with_t) >= 0:
+                terms, fit = terms + [t], with_t
+        self.coef[seen] = 0.0
+        if terms:
+            self.coef[terms] = fit
 
 
 def row_slots(start: int, rows: int) -> int:
@@ -218,3 +219,21 @@ def chain_slots(chains: list[tuple[int, int]]) -> tuple[int, int]:
     """Over (start, rows) sequences: the slots their first rows (from slot `start`) attend, and the rows after them."""
     first = sum(start + 1 for start, _ in chains)
     return first, sum(row_slots(start, rows) for start, rows in chains) - first
+
+
+def eliminate(moments: list[list[float]], terms: list[int]) -> list[float] | None:
+    """The least-squares coefficients of `terms` from moments [x x^T | x y] (Gaussian elimination, in order), or None
+    where the last term is within COLLINEAR of a combination of the others (its pivot: what they leave of it)."""
+    n = len(terms)
+    rows = [[moments[i][j] for j in terms] + [moments[i][-1]] for i in terms]
+    for c in range(n):
+        pivot = rows[c][c]
+        if pivot <= (COLLINEAR * moments[terms[c]][terms[c]] if c == n - 1 else 0.0):
+            return None
+        for r in range(c + 1, n):
+            f = rows[r][c] / pivot
+            rows[r] = [a - f * b for a, b in zip(rows[r], rows[c])]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (rows[r][n] - sum(rows[r][k] * x[k] for k in range(r + 1, n))) / rows[r][r]
+    return x
