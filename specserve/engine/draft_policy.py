@@ -201,7 +201,7 @@ class DraftPolicy:
         idle = np.where(held, seqs.idle[rows] + 1, 0)
         wait = PROBE_EVERY << np.minimum(seqs.failed[rows], MAX_BACKOFF)         # the idle steps before a probe
         due = np.flatnonzero(held & (idle >= wait) & (caps > 0))
-        probe_costs = probe_costs + self.costs.drafting([1]) - lengths.any() * self.costs.per_draft_call
+        probe_costs = probe_costs + self.costs.drafting([1], beside=bool(lengths.any()))
         for i in due:
             if probe_costs[i] <= self.explore_credit:
                 lengths[i], idle[i], held[i] = 1, 0, False

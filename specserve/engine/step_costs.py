@@ -167,15 +167,15 @@ class StepCosts:
             self.per_catch_up_seq = per_seq + call
         self.per_catch_up_token = r
 
-    def drafting(self, lengths: list[int], catch_up: list[int] | None = None) -> float:
+    def drafting(self, lengths: list[int], catch_up: list[int] | None = None, beside: bool = False) -> float:
         """The drafter's time, as priced, for a step drafting lengths[i] tokens for sequence i, which must first catch
-        up on catch_up[i] tokens."""
+        up on catch_up[i] tokens; beside: drafts already in the step pay for its forwards (e, h)."""
         drafting = [(k, u) for k, u in zip(lengths, catch_up or [0] * len(lengths)) if k > 0]
         if not drafting:
             return 0.0
-        return self.per_draft_call + self.per_draft_step * max(k for k, _ in drafting) + sum(
-            self.per_draft_seq + self.per_draft_token * k + (u > 0) * self.per_catch_up_seq
-            + self.per_catch_up_token * u for k, u in drafting)
+        forwards = 0.0 if beside else self.per_draft_call + self.per_draft_step * max(k for k, _ in drafting)
+        return forwards + sum(self.per_draft_seq + self.per_draft_token * k + (u > 0) * self.per_catch_up_seq
+                              + self.per_catch_up_token * u for k, u in drafting)
 
 
 @dataclass(slots=True)
