@@ -63,14 +63,13 @@ class StepCosts:
     per_chain_row_slot: float = 0.0     # s_chain: the same for the rows after it, its draft's (the context is hot)
     per_prompt_row: float = 0.0
     num_prompt_samples: int = 0
-    # the drafter's prices (`refresh`): per step that drafts (e), per draft step (h), per sequence that drafts (d), per
-    # draft token (c), per sequence caught up on (a) and per token caught up on (r)
-    per_draft_call: float = 0.0
-    per_draft_step: float = 0.0
-    per_draft_seq: float = 0.0
-    per_draft_token: float = 0.0
-    per_catch_up_seq: float = 0.0
-    per_catch_up_token: float = 0.0
+    # the drafter's prices, from its fits (`refresh`)
+    per_draft_call: float = 0.0         # e: a step that drafts at all
+    per_draft_step: float = 0.0         # h: each draft step (the longest draft's tokens)
+    per_draft_seq: float = 0.0          # d: each sequence that drafts
+    per_draft_token: float = 0.0        # c: each draft token
+    per_catch_up_seq: float = 0.0       # a: each sequence caught up on
+    per_catch_up_token: float = 0.0     # r: each token caught up on
     # propose()'s seconds against (tokens caught up on, draft steps (the longest draft), 1, drafting sequences, draft
     # tokens); the deferred forwards' against (1, drafting sequences); a catch-up timed apart against (sequences,
     # tokens, 1)
