@@ -161,7 +161,7 @@ class DraftPolicy:
         gains[np.arange(K) >= caps[:, None]] = -1.0
         costs = self.costs
         target = costs.target(fixed_rows + np.arange(int(caps.sum()) + 2))  # T at fixed_rows + n rows, n = 0 .. all
-        catch_up = np.where(catch_up > 0, costs.per_catch_up_seq, 0.0) + catch_up * costs.per_catch_up_token
+        catch_up = costs.catch_up(catch_up)
         # a sequence's drafting beyond its tokens at c each: d, and its catch-up shared by its expected run of steps
         spread = catch_up / self.runs.expected(remaining) + costs.per_draft_seq
         positions = np.arange(1, K + 1)
@@ -178,7 +178,7 @@ class DraftPolicy:
         np.cumsum(sorted_gains[:usable], out=added[0, 1:])
         np.cumsum(contexts[seq] + position + 1, out=added[1, 1:])
         np.cumsum(np.where(position == 0, spread[seq], 0.0), out=added[2, 1:])
-        added[3, 1:] = costs.per_draft_call + costs.per_draft_step * (np.maximum.accumulate(position) + 1)
+        added[3, 1:] = costs.forwards(np.maximum.accumulate(position) + 1)
         seconds = target[:usable + 1] + costs.attention(fixed_slots, fixed_chain_slots + added[1]) + added[2] \
             + added[3] + costs.per_draft_token * np.arange(usable + 1)
         best = int(np.argmax((num_fixed_tokens + added[0]) / seconds))

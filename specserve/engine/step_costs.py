@@ -172,9 +172,16 @@ class StepCosts:
         drafting = [(k, u) for k, u in zip(lengths, catch_up or [0] * len(lengths)) if k > 0]
         if not drafting:
             return 0.0
-        forwards = 0.0 if beside else self.per_draft_call + self.per_draft_step * max(k for k, _ in drafting)
-        return forwards + sum(self.per_draft_seq + self.per_draft_token * k + (u > 0) * self.per_catch_up_seq
-                              + self.per_catch_up_token * u for k, u in drafting)
+        forwards = 0.0 if beside else self.forwards(max(k for k, _ in drafting))
+        return forwards + sum(self.per_draft_seq + self.per_draft_token * k + self.catch_up(u) for k, u in drafting)
+
+    def forwards(self, steps):
+        """e + h * steps: the drafter forwards' own time in a step whose longest draft is `steps` (an array too)."""
+        return self.per_draft_call + self.per_draft_step * steps
+
+    def catch_up(self, tokens):
+        """a + r * tokens where tokens > 0, else 0: a sequence's catch-up over `tokens` (an array too)."""
+        return (tokens > 0) * self.per_catch_up_seq + self.per_catch_up_token * tokens
 
 
 @dataclass(slots=True)
@@ -200,7 +207,7 @@ class LinearFit:
         diag = [row[i] for i, row in enumerate(moments)]
         seen = [i for i, x in enumerate(diag) if x > 1e-9 * max(diag)]
         terms, fit = [], []
-        for t in seen:      # in order, each term the terms kept so far do not (nearly) explain, if no price goes below 0
+        for t in seen:      # in order, each term the ones kept do not (nearly) explain, if no price goes below 0
             with_t = eliminate(moments, terms + [t])
             if with_t is not None and min(with_t) >= 0:
                 terms, fit = terms + [t], with_t
