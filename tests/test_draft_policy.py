@@ -184,7 +184,7 @@ def test_probes_cost_at_most_their_share_of_the_time_at_any_load():
     paid for its own catch-up, they cost the draft model 8% of plain decoding at 32 sequences of random text)."""
     def run(num_seqs: int, catch_up, steps: int) -> tuple[list[int], float, float]:
         policy = policy_with(lambda rows: 0.010 + 0.001 * rows, {}, per_row_slot=1e-6)
-        policy.method.attempted[:] = 1e6                                   # a method that lands nothing: all held
+        policy.method.attempted = [1e6] * 8          # a method that lands nothing: all held
         policy.costs.per_catch_up_token, policy.costs.per_draft_token = 40e-6, 2e-4
         probes, spent, total = [0] * num_seqs, 0.0, 0.0
         for step in range(steps):
@@ -205,7 +205,7 @@ def test_probes_that_release_nothing_spend_a_smaller_share_and_one_that_does_res
     """On text no drafter predicts every probe is lost (~1.5% of the steps' time: auto ran 0.98x of k=0 on its own
     server). The share probes may spend follows the rate at which a probe got its sequence drafted the step after."""
     policy = policy_with(lambda rows: 0.010 + 0.0002 * rows, {})
-    policy.method.attempted[:] = 1e6                                       # a method that lands nothing: all held
+    policy.method.attempted = [1e6] * 8          # a method that lands nothing: all held
     def run(steps: int, accept: int, first_id: int = 0) -> tuple[float, float, int]:
         spent = total = released = 0.0
         for step in range(steps):
@@ -236,7 +236,7 @@ def test_a_batch_held_whole_repeats_its_choice_with_the_same_probes_and_decay(mo
     def run(steps_held: int):
         monkeypatch.setattr(draft_policy, "HOLD_STEPS", steps_held)
         policy = policy_with(lambda rows: 0.010 + 0.001 * rows, {}, per_row_slot=1e-6)
-        policy.method.attempted[:] = 1e6                                   # a method that lands nothing: all held
+        policy.method.attempted = [1e6] * 8          # a method that lands nothing: all held
         for i in range(8):
             policy.observe(i, 4, 1)
         afresh, chosen = policy.choose_afresh, []
@@ -253,9 +253,10 @@ def test_a_batch_held_whole_repeats_its_choice_with_the_same_probes_and_decay(mo
     held, chosen, policy = run(hold_steps)
     assert held == every and 0 < sum(map(sum, held)) < 40              # the same probes, on the same steps
     assert chosen_every == list(range(300)) and len(chosen) < 300 / (hold_steps - 1) and 250 in chosen
-    rows, ref_rows = ([p.seqs.rows[i] for i in range(9)] for p in (policy, reference))
-    assert (policy.seqs.idle[rows] == reference.seqs.idle[ref_rows]).all()
-    assert np.allclose(policy.seqs.attempted[rows], reference.seqs.attempted[ref_rows], rtol=1e-9, atol=1e-12)
+    for i in range(9):
+        assert policy.seqs[i].idle == reference.seqs[i].idle
+        held, every = ([x * p.seqs[i].weight for x in p.seqs[i].attempted] for p in (policy, reference))
+        assert held == pytest.approx(every, rel=1e-9, abs=1e-12)
     assert policy.explore_credit == pytest.approx(reference.explore_credit, rel=1e-9)
 
 
@@ -352,8 +353,7 @@ def test_a_first_draft_token_dearer_than_the_next_buys_longer_drafts():
     assert costs.drafting([3]) == pytest.approx(3.0e-3, rel=0.01)
     assert costs.per_catch_up_token == pytest.approx(30e-6, rel=0.01)
     # acceptance 0.3, then 0.45 given the first, then 0.2 (sonnet at one sequence): two tokens pay at these prices
-    policy.method.attempted[:], policy.method.accepted[:] = 1e6, 0.2e6
-    policy.method.accepted[:2] = 0.3e6, 0.45e6
+    policy.method.attempted, policy.method.accepted = [1e6] * 8, [0.3e6, 0.45e6] + [0.2e6] * 6
     assert policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1) == [2]
     costs.per_draft_call = costs.per_draft_step = 0.0                  # the calls fitted alike through the origin
     costs.per_draft_token = 1.46e-3

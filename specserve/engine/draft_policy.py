@@ -62,8 +62,8 @@ lengths it picks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from itertools import accumulate, count
+from operator import itemgetter, mul
 
 from specserve.engine.acceptance import Acceptance, Runs, SeqStats
 from specserve.engine.step_costs import CALIBRATION_SLOTS, StepCosts, chain_slots
@@ -95,10 +95,10 @@ class Candidate:
 
 @dataclass(slots=True)
 class Hold:
-    """A choice that held a whole batch at 0 (no probe), repeated for its sequences (`rows`): the step's priced time,
+    """A choice that held a whole batch at 0 (no probe), repeated for its sequences (`stats`): the step's priced time,
     each one's probe cost and steps to its next probe, and the steps repeated (their idle steps and decay pending)."""
     seq_ids: tuple
-    rows: np.ndarray
+    stats: list
     seconds: float
     probe_costs: list
     due_in: list
@@ -109,10 +109,10 @@ class DraftPolicy:
     def __init__(self, max_positions: int):
         self.max_positions = max_positions
         self.method = Acceptance.empty(max_positions)
-        self.seqs = SeqStats(max_positions)
+        self.seqs: dict[int, SeqStats] = {}
         self.explore_credit = 0.0                   # seconds the next probes may cost
         self.probed: set[int] = set()               # the sequences probed in the last step
-        self.probe_record = np.zeros(2)             # decayed: probes made, and those the next step drafted after
+        self.probe_record = (0.0, 0.0)              # decayed: probes made, and those the next step drafted after
         self.costs = StepCosts()
         self.hold: Hold | None = None
         self.runs = Runs()
@@ -124,18 +124,19 @@ class DraftPolicy:
     def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
         self.costs.calibrate(measure, max_slots)
 
-    def acceptance(self, seq_id: int) -> np.ndarray:
-        """a_ij for j = 1..max_positions."""
+    def acceptance(self, seq_id: int) -> list[float]:
+        """a_ij for j = 1..max_positions: the sequence's own counts blended with the method's rate."""
         prior = self.prior()
-        return prior if seq_id not in self.seqs else self.estimates(np.array([self.seqs.rows[seq_id]]), prior)[0]
+        return prior if (stats := self.seqs.get(seq_id)) is None else stats.rates(prior, PRIOR_WEIGHT)
 
-    def estimates(self, rows: np.ndarray, prior: np.ndarray) -> np.ndarray:
-        """a_ij of the sequences at `rows`: their own counts blended with the method's rate."""
-        return (self.seqs.accepted[rows] + PRIOR_WEIGHT * prior) / (self.seqs.attempted[rows] + PRIOR_WEIGHT)
+    def prior(self) -> list[float]:
+        return self.method.rates([PRIOR_ACCEPTANCE] * self.max_positions, PRIOR_WEIGHT)
 
-    def prior(self) -> np.ndarray:
-        m = self.method
-        return (m.accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (m.attempted + PRIOR_WEIGHT)
+    def stats(self, seq_id: int) -> SeqStats:
+        """The sequence's record; a new one starts at zero counts."""
+        if (stats := self.seqs.get(seq_id)) is None:
+            stats = self.seqs[seq_id] = SeqStats.empty(self.max_positions)
+        return stats
 
     def choose(self, candidates: list[Candidate], fixed_rows: int, num_fixed_tokens: int, fixed_slots: int = 0,
                fixed_chain_slots: int = 0) -> list[int]:
@@ -153,71 +154,93 @@ class DraftPolicy:
                       fixed_chain_slots: int = 0) -> list[int]:
         """choose(), whatever the hold."""
         self.end_hold()
-        K, B = self.max_positions, len(candidates)
-        rows = np.fromiter((self.seqs.row(c.seq_id) for c in candidates), int, B)
-        caps, contexts, catch_up, remaining = np.array(
-            [(min(c.max_tokens, K), c.context, c.catch_up, max(1, c.remaining)) for c in candidates], dtype=float).T
-        gains = np.cumprod(self.estimates(rows, self.prior()), axis=1)                                     # [B, K]
-        gains[np.arange(K) >= caps[:, None]] = -1.0
-        costs = self.costs
-        target = costs.target(fixed_rows + np.arange(int(caps.sum()) + 2))  # T at fixed_rows + n rows, n = 0 .. all
-        catch_up = costs.catch_up(catch_up)
+        K, costs, prior = self.max_positions, self.costs, self.prior()
+        stats = [self.stats(c.seq_id) for c in candidates]
+        caps = [min(c.max_tokens, K) for c in candidates]
+        scale, table = costs.scale, costs.unscaled(fixed_rows + sum(caps) + 2)     # T at fixed_rows + n rows
+        row = scale * (table[fixed_rows + 1] - table[fixed_rows])          # a verify row
+        per_slot = costs.per_chain_row_slot
         # a sequence's drafting beyond its tokens at c each: d, and its catch-up shared by its expected run of steps
-        spread = catch_up / self.runs.expected(remaining) + costs.per_draft_seq
-        positions = np.arange(1, K + 1)
-        unit = (float(target[1] - target[0]) + costs.per_draft_token) \
-            + costs.per_chain_row_slot * (contexts[:, None] + positions) + (spread / np.maximum(caps, 1))[:, None]
-        order = np.argsort(-gains / np.maximum(unit, 1e-12), axis=None, kind="stable")
-        sorted_gains = gains.reshape(-1)[order]
-        usable = int(np.count_nonzero(sorted_gains >= 0))
-        order = order[:usable]
-        seq, position = np.divmod(order, K)
-        # per token added, in order: its expected tokens, the slots it attends (context + position), what it costs
-        # beyond its row and c (a sequence's first token: spread), and the drafter's forwards' own time (e, h) so far
-        added = np.zeros((4, usable + 1))
-        np.cumsum(sorted_gains[:usable], out=added[0, 1:])
-        np.cumsum(contexts[seq] + position + 1, out=added[1, 1:])
-        np.cumsum(np.where(position == 0, spread[seq], 0.0), out=added[2, 1:])
-        added[3, 1:] = costs.forwards(np.maximum.accumulate(position) + 1)
-        seconds = target[:usable + 1] + costs.attention(fixed_slots, fixed_chain_slots + added[1]) + added[2] \
-            + added[3] + costs.per_draft_token * np.arange(usable + 1)
-        best = int(np.argmax((num_fixed_tokens + added[0]) / seconds))
-        lengths = np.bincount(seq[:best], minlength=B)
-        self.explore(candidates, rows, lengths, caps, catch_up + float(target[best + 1] - target[best])
-                     + costs.per_chain_row_slot * (contexts + 1), float(seconds[best]))
-        return lengths.tolist()
+        catch_up = [costs.catch_up(c.catch_up) for c in candidates]
+        runs = self.runs.expected([max(1, c.remaining) for c in candidates])
+        spread = [u / n + costs.per_draft_seq for u, n in zip(catch_up, runs)]
+        # every draft token (sequence i, position j): its expected tokens g_ij per cost (its verify row, its slots,
+        # c, and the sequence's spread over its cap), highest first (a sequence's in order, as g_ij falls with j), and
+        # what it adds to the step's time beyond its row and the drafter's forwards (its slots, c, a first one spread)
+        tokens, steps = [], [per_slot * j for j in range(1, K + 1)]
+        weighted_prior = [PRIOR_WEIGHT * p for p in prior]
+        for i, (c, st, cap) in enumerate(zip(candidates, stats, caps)):
+            if not cap:
+                continue
+            w, context = st.weight, per_slot * c.context + costs.per_draft_token
+            gains = accumulate([(acc * w + p) / (att * w + PRIOR_WEIGHT) for att, acc, p
+                                in zip(st.attempted[:cap], st.accepted, weighted_prior)], mul)
+            share, first = max(row + spread[i] / cap, 1e-12), len(tokens)
+            tokens += [(g / (share + a), g, i, j, a) for j, g, a in zip(range(cap), gains, [context + step for step
+                                                                                          in steps[:cap]])]
+            key, gain, _, _, added = tokens[first]
+            tokens[first] = (key, gain, i, 0, added + spread[i])
+        tokens.sort(key=itemgetter(0), reverse=True)        # stable: ties keep (i, j) order
+        # the step's time and expected tokens with the first n of them, for every n: the best ratio wins
+        time = costs.attention(fixed_slots, fixed_chain_slots)
+        best, best_seconds = 0, scale * table[fixed_rows] + time
+        best_ratio = num_fixed_tokens / best_seconds
+        gained, longest, forwards = float(num_fixed_tokens), 0, 0.0
+        for n, (_, gain, i, j, cost), target in zip(count(1), tokens, table[fixed_rows + 1:]):
+            gained += gain
+            time += cost
+            if j >= longest:
+                longest, forwards = j + 1, costs.forwards(j + 1)
+            seconds = scale * target + time + forwards
+            if gained / seconds > best_ratio:
+                best, best_seconds, best_ratio = n, seconds, gained / seconds
+        lengths = [0] * len(candidates)
+        for _, _, i, _, _ in tokens[:best]:
+            lengths[i] += 1
+        verify_row = scale * (table[fixed_rows + best + 1] - table[fixed_rows + best])
+        self.explore(candidates, stats, lengths, caps, [u + verify_row + per_slot * (c.context + 1)
+                                                        for c, u in zip(candidates, catch_up)], best_seconds)
+        return lengths
 
-    def explore(self, candidates: list[Candidate], rows: np.ndarray, lengths: np.ndarray, caps: np.ndarray,
-                probe_costs: np.ndarray, step_seconds: float) -> None:
+    def explore(self, candidates: list[Candidate], stats: list[SeqStats], lengths: list[int], caps: list[int],
+                probe_costs: list[float], step_seconds: float) -> None:
         """A sequence held at 0 probes one token now and then (lengths[i] = 1), paid from a budget of EXPLORE_SHARE of
         the steps' time; what goes unspent is kept, up to what the longest wait between probes accrues. probe_costs:
         each one's catch-up and verify row (one more row, and its slots); its drafting is added."""
         self.record_probes(candidates, lengths)
-        for steps in self.seqs.advance_runs(rows, lengths):     # as chosen, before probes
-            self.runs.end(steps)
+        for st, k in zip(stats, lengths):               # runs of steps drafted as chosen, before probes
+            if k:
+                st.run += 1
+            elif st.run:
+                self.runs.end(st.run)
+                st.run = 0
         self.explore_credit = self.credit_after(step_seconds)
-        seqs = self.seqs
-        held = lengths == 0
-        idle = np.where(held, seqs.idle[rows] + 1, 0)
-        wait = PROBE_EVERY << np.minimum(seqs.failed[rows], MAX_BACKOFF)         # the idle steps before a probe
-        due = np.flatnonzero(held & (idle >= wait) & (caps > 0))
-        probe_costs = probe_costs + self.costs.drafting([1], beside=bool(lengths.any()))
-        for i in due:
-            if probe_costs[i] <= self.explore_credit:
-                lengths[i], idle[i], held[i] = 1, 0, False
+        drafting = self.costs.drafting([1], beside=any(lengths))
+        probe_costs = [cost + drafting for cost in probe_costs]
+        for i, (c, st) in enumerate(zip(candidates, stats)):
+            st.idle = 0 if lengths[i] else st.idle + 1
+            if not st.idle:
+                continue
+            if st.idle >= PROBE_EVERY and caps[i] > 0 and st.idle >= self.probe_wait(st) \
+                    and probe_costs[i] <= self.explore_credit:
+                lengths[i], st.idle = 1, 0
                 self.explore_credit -= probe_costs[i]
-                self.probed.add(candidates[i].seq_id)
-        seqs.idle[rows] = idle
-        seqs.decay(rows[held], IDLE_DECAY)
-        if held.all():
-            self.hold = Hold(tuple(c.seq_id for c in candidates), rows, step_seconds, probe_costs.tolist(),
-                             np.where(caps > 0, wait - idle, 1 << 30).tolist())
+                self.probed.add(c.seq_id)
+            else:
+                st.weight *= IDLE_DECAY                 # back toward the method's rate (SeqStats.decay)
+        if not any(lengths):
+            self.hold = Hold(tuple(c.seq_id for c in candidates), stats, step_seconds, probe_costs,
+                             [self.probe_wait(st) - st.idle if cap > 0 else 1 << 30 for st, cap in zip(stats, caps)])
+
+    @staticmethod
+    def probe_wait(stats: SeqStats) -> int:
+        """The idle steps before a held sequence probes: PROBE_EVERY, doubled per probe in a row that landed nothing."""
+        return PROBE_EVERY << min(stats.failed, MAX_BACKOFF)
 
     def repeat_hold(self, seq_ids: tuple) -> bool:
         """Whether this step repeats the held choice: the same sequences, fewer than HOLD_STEPS steps since it was
         chosen, and no probe both due and paid for (its credit accrues as a chosen step's would). A held sequence's
-        estimate only drifts (IDLE_DECAY) and its context grows a slot a step; the choice itself cost 0.3 ms at 8
-        sequences of SmolLM2 (its numpy calls run cold after a forward), ~1% of a step."""
+        estimate only drifts (IDLE_DECAY) and its context grows a slot a step."""
         hold = self.hold
         if hold is None or hold.steps + 1 >= HOLD_STEPS or hold.seq_ids != seq_ids:
             return False
@@ -231,8 +254,9 @@ class DraftPolicy:
     def end_hold(self) -> None:
         """Apply the repeated steps' idle steps and decay to the held sequences, and choose afresh from now on."""
         if (hold := self.hold) is not None and hold.steps:
-            self.seqs.idle[hold.rows] += hold.steps
-            self.seqs.decay(hold.rows, IDLE_DECAY ** hold.steps)
+            for st in hold.stats:
+                st.idle += hold.steps
+                st.decay(IDLE_DECAY ** hold.steps)
         self.hold = None
 
     def credit_after(self, step_seconds: float) -> float:
@@ -247,24 +271,26 @@ class DraftPolicy:
         made, released = self.probe_record
         return max(MIN_EXPLORE_FRACTION, min(1.0, 2 * (released + 1) / (made + 2)))
 
-    def record_probes(self, candidates: list[Candidate], lengths: np.ndarray) -> None:
+    def record_probes(self, candidates: list[Candidate], lengths: list[int]) -> None:
         """The last step's probes, each released or not by this step's choice (`lengths`) for its sequence."""
         if self.probed:
             for c, k in zip(candidates, lengths):
                 if c.seq_id in self.probed:
-                    self.probe_record = self.probe_record * PROBE_YIELD_DECAY + (1.0, float(k > 0))
+                    made, released = self.probe_record
+                    self.probe_record = (made * PROBE_YIELD_DECAY + 1, released * PROBE_YIELD_DECAY + (k > 0))
             self.probed = set()
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
             return
         self.end_hold()
-        self.seqs.observe(self.seqs.row(seq_id), num_drafted, num_accepted, SEQ_DECAY)
+        self.stats(seq_id).observe(num_drafted, num_accepted, SEQ_DECAY)
         self.method.observe(num_drafted, num_accepted, METHOD_DECAY)
 
     def forget(self, seq_id: int) -> None:
         self.end_hold()
-        self.runs.end(self.seqs.forget(seq_id))
+        if (stats := self.seqs.pop(seq_id, None)) is not None:
+            self.runs.end(stats.run)
 
 
 def choose_draft_lengths(policy: DraftPolicy, scheduled: list, catch_up=lambda seq: 0) -> None:

@@ -76,6 +76,8 @@ class StepCosts:
     drafter_fit: LinearFit = field(default_factory=lambda: LinearFit.of(5))
     deferred_fit: LinearFit = field(default_factory=lambda: LinearFit.of(2))
     catch_up_fit: LinearFit = field(default_factory=lambda: LinearFit.of(3))
+    table: list = field(default_factory=list)      # T unscaled at 0, 1, 2 ... rows, as plain floats (`unscaled`)
+    table_of: np.ndarray | None = None              # the `seconds` it was made from
 
     def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
         """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
@@ -106,11 +108,24 @@ class StepCosts:
             extra = best[n + 1] - one_slot - self.per_row_slot * (first - R)
             self.per_chain_row_slot = min(self.per_row_slot, max(0.0, extra / after))
 
-    def target(self, rows: np.ndarray | float) -> np.ndarray:
+    def target(self, rows: np.ndarray | int) -> np.ndarray | float:
+        if isinstance(rows, int):
+            return self.scale * self.unscaled(rows + 1)[rows]
+        return self.scale * self.interpolate(np.asarray(rows, dtype=float))
+
+    def interpolate(self, rows: np.ndarray) -> np.ndarray:
+        """The calibrated table at `rows`, linear between its points and beyond the last along its last slope."""
         x, y = self.rows, self.seconds
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-        r = np.asarray(rows, dtype=float)
-        return self.scale * (np.interp(r, x, y) + slope * np.maximum(r - x[-1], 0.0))
+        return np.interp(rows, x, y) + slope * np.maximum(rows - x[-1], 0.0)
+
+    def unscaled(self, rows: int) -> list[float]:
+        """T before `scale` at 0 .. rows - 1 rows (at least), as plain floats: the policy's choice reads it a row
+        count at a time (numpy's calls, cold after a forward, cost the choice more than its arithmetic)."""
+        if self.table_of is not self.seconds or len(self.table) < rows:
+            self.table = self.interpolate(np.arange(max(rows, 2 * len(self.table), 256), dtype=float)).tolist()
+            self.table_of = self.seconds
+        return self.table
 
     def attention(self, first_slots: float, chain_slots: float) -> float:
         """The slots' time: first_slots attended by sequences' first decode rows, chain_slots by the rows after them."""
