@@ -84,7 +84,7 @@ def test_a_prompt_chunk_in_the_step_does_not_buy_longer_drafts():
     """Its time is spent whatever is drafted: counted in the step's time, it would make marginal draft tokens look
     cheap against the step (under load most steps carry a new request's prompt)."""
     from types import SimpleNamespace
-    from specserve.engine.draft_policy import choose_draft_lengths
+    from specserve.engine.auto_draft import choose_draft_lengths
 
     def step(with_prompt: bool) -> list[int]:
         policy = policy_with(lambda rows: 0.02 + 0.001 * rows, {i: 0.5 for i in range(8)}, per_row_slot=2e-6)

@@ -16,8 +16,8 @@ from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
 from specserve.drafting.proposer import Draft, DrafterContext, Proposer, TargetHidden
 from specserve.drafting.token_map import NO_TOKEN_MAP
 from specserve.drafting.tree import path_moves
+from specserve.engine.auto_draft import DraftPolicy, choose_draft_lengths, observe_step_time
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.draft_policy import DraftPolicy, choose_draft_lengths, observe_step_time
 from specserve.engine.outputs import DraftGauges, RequestError, StepOutput  # noqa: F401 (re-exported)
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.stop_checker import append_tokens
