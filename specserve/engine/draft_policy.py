@@ -224,13 +224,12 @@ class DraftPolicy:
             st.idle = 0 if lengths[i] else st.idle + 1
             if not st.idle:
                 continue
-            if st.idle >= PROBE_EVERY and caps[i] > 0 and st.idle >= self.probe_wait(st) \
-                    and probe_costs[i] <= self.explore_credit:
+            if caps[i] > 0 and st.idle >= self.probe_wait(st) and probe_costs[i] <= self.explore_credit:
                 lengths[i], st.idle = 1, 0
                 self.explore_credit -= probe_costs[i]
                 self.probed.add(c.seq_id)
             else:
-                st.weight *= IDLE_DECAY                 # back toward the method's rate (SeqStats.decay)
+                st.decay(IDLE_DECAY)                    # back toward the method's rate
         if not any(lengths):
             self.hold = Hold(tuple(c.seq_id for c in candidates), stats, step_seconds, probe_costs,
                              [self.probe_wait(st) - st.idle if cap > 0 else 1 << 30 for st, cap in zip(stats, caps)])
