@@ -171,13 +171,11 @@ class DraftPolicy:
         # c, and the sequence's spread over its cap), highest first (a sequence's in order, as g_ij falls with j), and
         # what it adds to the step's time beyond its row and the drafter's forwards (its slots, c, a first one spread)
         tokens, steps = [], [per_slot * j for j in range(1, K + 1)]
-        weighted_prior = [PRIOR_WEIGHT * p for p in prior]
         for i, (c, st, cap) in enumerate(zip(candidates, stats, caps)):
             if not cap:
                 continue
-            w, context = st.weight, per_slot * c.context + costs.per_draft_token
-            gains = accumulate([(acc * w + p) / (att * w + PRIOR_WEIGHT) for att, acc, p
-                                in zip(st.attempted[:cap], st.accepted, weighted_prior)], mul)
+            context = per_slot * c.context + costs.per_draft_token
+            gains = accumulate(st.rates(prior, PRIOR_WEIGHT)[:cap], mul)
             share, first = max(row + spread[i] / cap, 1e-12), len(tokens)
             tokens += [(g / (share + a), g, i, j, a) for j, g, a in zip(range(cap), gains, [context + step for step
                                                                                           in steps[:cap]])]
