@@ -360,6 +360,29 @@ def test_a_first_draft_token_dearer_than_the_next_buys_longer_drafts():
     assert policy.choose([Candidate(1, 8)], fixed_rows=1, num_fixed_tokens=1) == [1]
 
 
+def test_a_split_fitted_once_outlives_steps_of_one_draft_length():
+    """Once calls of several lengths have told a call's overhead e from a draft step h, steps that all draft one length
+    (a draft model at one sequence, drafting one token a step) keep that split: e keeps its price and h takes the rest.
+    Left at 0, e went to h: a draft step priced 2.9 ms (the whole call) where it cost 0.7 ms, and auto drafted one token
+    where four were faster. With no split ever fitted, the first term takes it all, as before."""
+    policy = policy_with(lambda rows: 0.016 + 0.0006 * rows, {})
+    costs = policy.costs
+    for k in (1, 2, 3, 4, 1, 2, 3, 4):
+        costs.observe_drafting([[0] * k], 1.9e-3 + 0.7e-3 * k, [0], 0.0)
+    assert (costs.per_draft_call, costs.per_draft_step) == (pytest.approx(1.9e-3), pytest.approx(0.7e-3))
+    for _ in range(40):                             # one token a step, its call dearer than it was
+        costs.observe_drafting([[0]], 2.8e-3, [0], 0.0)
+    assert costs.drafting([1]) == pytest.approx(2.8e-3, rel=1e-3)
+    assert costs.per_draft_call > 1.5e-3 and costs.per_draft_step < 1.2e-3     # the split shifts, not lost
+    for _ in range(40):                             # calls now cheaper than the kept e: it cannot keep its price
+        costs.observe_drafting([[0]], 1.0e-3, [0], 0.0)
+    assert costs.drafting([1]) == pytest.approx(1.0e-3, rel=1e-3) and costs.per_draft_call == 0.0
+    fresh = policy_with(lambda rows: 0.016 + 0.0006 * rows, {}).costs
+    for _ in range(5):
+        fresh.observe_drafting([[0]], 2.6e-3, [0], 0.0)
+    assert (fresh.per_draft_step, fresh.per_draft_call) == (pytest.approx(2.6e-3), 0.0)
+
+
 def test_calibration_keeps_each_row_counts_best_and_the_shape_of_few_rows():
     """T is measured at every row count a draft at one sequence reaches, in interleaved rounds, the first dropped (a
     new process's first forwards), each point's best kept, made non-decreasing. Its shape over a few rows is kept:

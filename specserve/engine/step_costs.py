@@ -20,9 +20,10 @@ each sequence, as they mostly resume one at a time). A drafter's forward costs a
 few (MTP's layers on SmolLM2: 1.5 ms for one sequence's draft token, 2.2 ms for four's; a catch-up over 2 tokens ~2 ms,
 over 65 ~5 ms): priced per sequence and per token alone, drafting at 4 sequences looked 2.5x dearer than it was, and a
 catch-up over a few tokens set r to 0.68 ms a token, against 0.08, which held every sequence 65 tokens behind. Terms the
-recent steps do not tell apart (at one sequence e from d, and h from c) are priced by the first in that order, so that
-an unseen batch is priced as the steps seen were, per forward: priced per sequence, a batch held at 0 would never draft
-to show what it costs; and a catch-up, per sequence before per token."""
+recent steps do not tell apart (at one sequence e from d, and h from c; at one draft length h from e) are priced by the
+first in that order, the others keeping the prices earlier steps fitted them (0 until some did), so that an unseen
+batch is priced as the steps seen were, per forward: priced per sequence, a batch held at 0 would never draft to show
+what it costs; and a catch-up, per sequence before per token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -202,9 +203,13 @@ class StepCosts:
 @dataclass(slots=True)
 class LinearFit:
     """seconds ~ coef . x with coef >= 0: least squares over the decayed moments [x x^T | x seconds] of the recent
-    observations, taking terms in order. A term the observations do not tell apart from the terms taken before it, or
-    that would drive a price below 0, is left at 0: the terms before it take the time. A term no recent observation
-    had keeps its coefficient."""
+    observations, taking terms in order. A term that would drive a price below 0 is left at 0. A term the
+    observations do not tell apart from the terms taken before it keeps the price it was last fitted (0 before it
+    ever was), and they take the rest of the time: a draft model at one sequence that drafts one token a step cannot
+    tell its call's overhead e from a draft step h, and left at 0, e's 1.9 ms went to h, which priced each draft token
+    beyond the first at 2.9 ms, against the 0.7 ms that calls of several lengths had fitted; so auto drafted one
+    token where four were faster. Where the terms taken cannot take the rest (a price would go below 0), it is left
+    at 0. A term no recent observation had keeps its coefficient."""
     coef: np.ndarray
     moments: np.ndarray
     count: int = 0
@@ -221,12 +226,17 @@ class LinearFit:
         moments = self.moments.tolist()        # a few terms: plain floats are quicker than numpy's calls on them
         diag = [row[i] for i, row in enumerate(moments)]
         seen = [i for i, x in enumerate(diag) if x > 1e-9 * max(diag)]
-        terms, fit = [], []
+        terms, fit, kept = [], [], []
         for t in seen:      # in order, each term the ones kept do not (nearly) explain, if no price goes below 0
             with_t = eliminate(moments, terms + [t])
-            if with_t is not None and min(with_t) >= 0:
+            if with_t is None and self.coef[t] > 0:    # they explain it: it keeps its price, if they take the rest
+                rest = [[*row[:-1], row[-1] - self.coef[t] * row[t]] for row in moments]
+                refit = eliminate(rest, terms)
+                if min(refit) >= 0:
+                    moments, fit, kept = rest, refit, kept + [t]
+            elif with_t is not None and min(with_t) >= 0:
                 terms, fit = terms + [t], with_t
-        self.coef[seen] = 0.0
+        self.coef[[t for t in seen if t not in kept]] = 0.0
         if terms:
             self.coef[terms] = fit
 
