@@ -138,15 +138,21 @@ def test_a_drafter_far_behind_a_sequence_costs_its_catch_up():
 def test_a_catch_up_is_spread_over_the_steps_sequences_go_on_drafting():
     """A catch-up is paid once, for the steps the sequence then drafts in a row. Spread over every token it may still
     generate (65536 without max_tokens), it looked free however soon the sequence went back to 0 (a prompt's
-    catch-up is ~10 ms for EAGLE3 over 300 tokens of SmolLM2, a quarter of a step at 8 sequences)."""
-    def behind_drafts(runs: list[int]) -> int:
+    catch-up is ~10 ms for EAGLE3 over 300 tokens of SmolLM2, a quarter of a step at 8 sequences). But what a run
+    resumed after a short hold does not pay again (a draft model's catch-up over a whole prompt: after it, a hold of
+    4 steps costs a catch-up over 4 tokens) is spread over the steps the sequence is expected to draft before its
+    request ends: over runs of 4 steps alone, a 545-token sonnet prompt held a draft model's sequences at 0 for their
+    first 15 steps."""
+    def behind_drafts(runs: list[int], share: float) -> int:
         policy = policy_with(lambda rows: 0.010 + 0.001 * rows, {1: 0.4})
         policy.costs.per_draft_token, policy.costs.per_catch_up_token = 2e-4, 40e-6
         for steps in runs:
             policy.runs.end(steps)
+        policy.runs.step(round(1000 * share), 1000)
         return policy.choose([Candidate(1, 8, catch_up=1024, remaining=1 << 16)], fixed_rows=1, num_fixed_tokens=1)[0]
-    assert behind_drafts([60] * 20) > 0
-    assert behind_drafts([1] * 20) == 0
+    assert behind_drafts([60] * 20, share=0.02) > 0
+    assert behind_drafts([1] * 20, share=0.02) == 0     # back to 0 after a step, and held nearly always
+    assert behind_drafts([1] * 20, share=0.5) > 0       # back to 0 after a step, but drafting every other step
 
     # the record: runs of steps drafted as chosen, ended by a step held at 0 or by the sequence finishing
     policy = policy_with(lambda rows: 0.010 + 0.003 * rows, {1: 0.9, 2: 0.9})

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 PRIOR_RUN_STEPS = 128           # the record's prior, one run this long (or as long as a sequence may still go)
 RUN_DECAY = 0.95                # the runs' record decays by this per run ended
+SHARE_DECAY = 0.99              # the share of steps drafted decays by this per step chosen
 
 
 @dataclass(slots=True)
@@ -61,6 +62,18 @@ class Runs:
     (MTP at one sequence of sonnet, 1.09x at k=2, was held at 0 with an 8-step prior: its 540-token catch-up, 37 ms)."""
     count: float = 0.0
     steps: float = 0.0
+    drafted: float = 0.0        # decayed: the sequences' steps drafted as chosen (probes apart), and all their steps
+    stepped: float = 0.0
+
+    def step(self, drafted: int, sequences: int) -> None:
+        self.drafted = self.drafted * SHARE_DECAY + drafted
+        self.stepped = self.stepped * SHARE_DECAY + sequences
+
+    def spans(self, remaining: list[int], runs: list[float]) -> list[float]:
+        """The steps sequences that may still generate `remaining` tokens are expected to draft in all: the share of
+        recent steps drafted (1 before any) times those tokens (at most PRIOR_RUN_STEPS), at least their `runs`."""
+        share = self.drafted / self.stepped if self.stepped else 1.0
+        return [max(n, share * min(r, PRIOR_RUN_STEPS)) for r, n in zip(remaining, runs)]
 
     def end(self, steps: int) -> None:
         if steps > 0:

@@ -7,35 +7,37 @@ given that tokens 1..j-1 were. Drafting k_i tokens, sequence i commits in expect
 
 tokens (the accepted prefix, plus the target's own token after it). The step takes about
 
-    S(k) = T(R) + s * L + s_chain * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d + U_i / n_i) + [k > 0] (e + h * K),
+    S(k) = T(R) + s * L + s_chain * L_d + c * sum_i k_i + sum_{i: k_i > 0} (d + V_i) + [k > 0] (e + h * K),
                                                                     R = decode rows (1 + k_i each), K = max_i k_i
 
 where T is the target's forward-and-verify time at R decode rows, L the cache slots the sequences' first decode rows
 attend (a row attends its whole context) and s the time such a row pays per slot, L_d the slots their drafts' verify
 rows attend (draft token j of sequence i reads ctx_i + j) and s_chain what those pay per slot (less: they follow their
-sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), c the drafter's
-time per draft token, d per sequence that drafts (with EAGLE3's head and MTP's layers run over its committed tokens
-after the step, whatever the draft's length), h per draft step and e per step that drafts at all beyond them (a
-drafter forward's own time, whatever the batch: MTP's layers took 1.5 ms for one sequence's draft token on SmolLM2,
-2.2 ms for four), and U_i = a + r * u_i the catch-up of the u_i tokens it must run over before drafting for sequence i
-again (EAGLE3's head and MTP's layers over the last 64 target states they hold, drafting/catch_up.py; a draft model
-over the tokens it has not seen, under load a whole prompt), paid once, so spread over n_i, the steps it is expected
-to go on drafting (the mean of recent runs of drafting steps in a row, at most the tokens it may still generate:
-acceptance.py). At a few hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row
-is attended on its own, so that its bits do not depend on its neighbours), and it grows with the batch's contexts, not
-with R alone. The prompt-chunk rows a step may also carry are left out of S: their time is spent whatever is drafted,
-and counting it would lower the step's ratio until every marginal draft token looked worth its verify row (under load
-most steps carry a new request's prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where
-plain decoding was fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda
-decoding would reach alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput
-G(k) = sum_i E_i(k_i) / S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost over
-the whole batch (a token's verify row, slots and c, plus d + U_i / n_i spread over the sequence's cap)
-visits, for every total n, about the allocation with the most expected tokens at that cost; G is evaluated exactly at
-every n in one pass and the best n taken. Cheap verify rows and high acceptance give long chains; a large batch (T
-steep in R) with low acceptance gives 0. The choice is plain Python over lists of floats: it runs right after the
-target's forward has streamed the weights through the CPU's caches, where each numpy call paid its own code's misses,
-and over numpy arrays choosing added 0.34-0.37 ms to a step's scheduling at one sequence of SmolLM2, against
-0.05-0.07 ms this way (1.3% of a 28 ms step, against 0.2%).
+sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), c the drafter's time
+per draft token, d per sequence that drafts (with EAGLE3's head and MTP's layers run over its committed tokens after the
+step, whatever the draft's length), h per draft step and e per step that drafts at all beyond them (a drafter forward's
+own time, whatever the batch: MTP's layers took 1.5 ms for one sequence's draft token on SmolLM2, 2.2 ms for four), and
+V_i the catch-up of the u_i tokens it must run over before drafting for sequence i again (EAGLE3's head and MTP's layers
+over the last 64 target states they hold, drafting/catch_up.py; a draft model over the tokens it has not seen, under
+load a whole prompt), U(u) = a + r * u, paid once and spread: V_i = U(v_i) / n_i + (U(u_i) - U(v_i)) / m_i, v_i =
+min(u_i, PROBE_EVERY) what a run resumed after a hold pays again, n_i the steps it is expected to go on drafting (the
+mean of recent runs of drafting steps in a row, at most the tokens it may still generate), m_i >= n_i the steps it is
+expected to draft before its request ends (the share of recent steps drafted times those tokens: acceptance.py). Over
+its runs alone (4 steps), a draft model's catch-up over a 545-token sonnet prompt held a sequence at 0 for its first 15
+steps. At a few hundred slots a context, s * L is most of what a verify row costs on a CPU (each decode row is attended
+on its own, so that its bits do not depend on its neighbours), and it grows with the batch's contexts, not with R alone.
+The prompt-chunk rows a step may also carry are left out of S: their time is spent whatever is drafted, and counting it
+would lower the step's ratio until every marginal draft token looked worth its verify row (under load most steps carry a
+new request's prompt: at 32 concurrent 256-token requests auto drafted 2.8 tokens a sequence where plain decoding was
+fastest). Maximising the ratio over the decode part is maximising E - lambda * S at the rate lambda decoding would reach
+alone, the renewal-reward view of a long run of steps. The policy picks k maximising the goodput G(k) = sum_i E_i(k_i) /
+S(k). Each g_ij falls with j, so adding draft tokens in descending order of g per cost over the whole batch (a token's
+verify row, slots and c, plus d + V_i spread over the sequence's cap) visits, for every total n, about the allocation
+with the most expected tokens at that cost; G is evaluated exactly at every n in one pass and the best n taken. Cheap
+verify rows and high acceptance give long chains; a large batch (T steep in R) with low acceptance gives 0. The choice
+is plain Python over lists of floats: it runs right after the target's forward has streamed the weights through the
+CPU's caches, where each numpy call paid its own code's misses, and over numpy arrays choosing added 0.34-0.37 ms to a
+step's scheduling at one sequence of SmolLM2, against 0.05-0.07 ms this way (1.3% of a 28 ms step, against 0.2%).
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
 decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by SEQ_DECAY
@@ -47,7 +49,7 @@ steps, so its estimate can recover (the explore step of a bandit); each probe in
 wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
 drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain
 decoding's speed. So probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them)
-accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U_i, its verify row, c, d, and
+accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U(u_i), its verify row, c, d, and
 e if nothing else drafts). Exploration then costs at most that share, at any load (a budget per probe that paid only the
 probe's verify row stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost the
 draft model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at
@@ -163,10 +165,13 @@ class DraftPolicy:
         scale, table = costs.scale, costs.unscaled(fixed_rows + sum(caps) + 2)     # T at fixed_rows + n rows
         row = scale * (table[fixed_rows + 1] - table[fixed_rows])          # a verify row
         per_slot = costs.per_chain_row_slot
-        # a sequence's drafting beyond its tokens at c each: d, and its catch-up shared by its expected run of steps
-        catch_up = [costs.catch_up(c.catch_up) for c in candidates]
-        runs = self.runs.expected([max(1, c.remaining) for c in candidates])
-        spread = [u / n + costs.per_draft_seq for u, n in zip(catch_up, runs)]
+        # a sequence's drafting beyond its tokens at c each: d, and its catch-up: what a run resumed after a hold pays
+        # again shared by its expected run of steps, the rest (a prompt's, once) by the steps it is expected to draft
+        catch_up, remaining = [costs.catch_up(c.catch_up) for c in candidates], [max(1, c.remaining) for c in candidates]
+        runs = self.runs.expected(remaining)
+        resumed = [costs.catch_up(min(c.catch_up, PROBE_EVERY)) for c in candidates]
+        spread = [v / n + (u - v) / m + costs.per_draft_seq for u, v, n, m in
+                  zip(catch_up, resumed, runs, self.runs.spans(remaining, runs))]
         # every draft token (sequence i, position j): its expected tokens g_ij per cost (its verify row, its slots,
         # c, and the sequence's spread over its cap), highest first (a sequence's in order, as g_ij falls with j), and
         # what it adds to the step's time beyond its row and the drafter's forwards (its slots, c, a first one spread)
@@ -209,6 +214,7 @@ class DraftPolicy:
         the steps' time; what goes unspent is kept, up to what the longest wait between probes accrues. probe_costs:
         each one's catch-up and verify row (one more row, and its slots); its drafting is added."""
         self.record_probes(candidates, lengths)
+        self.runs.step(sum(k > 0 for k in lengths), len(lengths))
         for st, k in zip(stats, lengths):               # runs of steps drafted as chosen, before probes
             if k:
                 st.run += 1
@@ -257,6 +263,7 @@ class DraftPolicy:
             for st in hold.stats:
                 st.idle += hold.steps
                 st.decay(IDLE_DECAY ** hold.steps)
+            self.runs.step(0, hold.steps * len(hold.stats))
         self.hold = None
 
     def credit_after(self, step_seconds: float) -> float:
