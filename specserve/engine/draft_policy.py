@@ -49,10 +49,10 @@ steps, so its estimate can recover (the explore step of a bandit); each probe in
 wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
 drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain
 decoding's speed. So probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them)
-accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U(u_i), its verify row, c, d, and
-e if nothing else drafts). Exploration then costs at most that share, at any load (a budget per probe that paid only the
-probe's verify row stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost the
-draft model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at
+accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U(u_i), its verify row, c, d,
+and e if nothing else drafts). Exploration then costs at most that share, at any load (a budget per probe that paid only
+the probe's verify row stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost
+the draft model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at
 which a probe got its sequence drafted the step after, capped at 1 and floored at MIN_EXPLORE_FRACTION: on text no
 drafter predicts, every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of k=0 on its own server. A choice
 that holds the whole batch at 0 is kept for its sequences for up to HOLD_STEPS steps, unless a probe falls due and is
@@ -167,8 +167,8 @@ class DraftPolicy:
         per_slot = costs.per_chain_row_slot
         # a sequence's drafting beyond its tokens at c each: d, and its catch-up: what a run resumed after a hold pays
         # again shared by its expected run of steps, the rest (a prompt's, once) by the steps it is expected to draft
-        catch_up, remaining = [costs.catch_up(c.catch_up) for c in candidates], [max(1, c.remaining) for c in candidates]
-        runs = self.runs.expected(remaining)
+        remaining = [max(1, c.remaining) for c in candidates]
+        catch_up, runs = [costs.catch_up(c.catch_up) for c in candidates], self.runs.expected(remaining)
         resumed = [costs.catch_up(min(c.catch_up, PROBE_EVERY)) for c in candidates]
         spread = [v / n + (u - v) / m + costs.per_draft_seq for u, v, n, m in
                   zip(catch_up, resumed, runs, self.runs.spans(remaining, runs))]
