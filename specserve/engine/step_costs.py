@@ -203,13 +203,13 @@ class StepCosts:
 @dataclass(slots=True)
 class LinearFit:
     """seconds ~ coef . x with coef >= 0: least squares over the decayed moments [x x^T | x seconds] of the recent
-    observations, taking terms in order. A term that would drive a price below 0 is left at 0. A term the
-    observations do not tell apart from the terms taken before it keeps the price it was last fitted (0 before it
-    ever was), and they take the rest of the time: a draft model at one sequence that drafts one token a step cannot
-    tell its call's overhead e from a draft step h, and left at 0, e's 1.9 ms went to h, which priced each draft token
-    beyond the first at 2.9 ms, against the 0.7 ms that calls of several lengths had fitted; so auto drafted one
-    token where four were faster. Where the terms taken cannot take the rest (a price would go below 0), it is left
-    at 0. A term no recent observation had keeps its coefficient."""
+    observations, taking terms in order. A term the observations do not tell apart from the terms taken before it
+    keeps the price it was last fitted (0 before it ever was), and they take the rest of the time: a draft model at one
+    sequence that drafts one token a step cannot tell its call's overhead e from a draft step h, and left at 0, e's
+    1.9 ms went to h, which priced each draft token beyond the first at 2.9 ms, against the 0.7 ms that calls of
+    several lengths had fitted; so auto drafted one token where four were faster. A term that would drive a price below
+    0 (its own, or the others' as they take the rest) is left at 0. A term no recent observation had keeps its
+    coefficient."""
     coef: np.ndarray
     moments: np.ndarray
     count: int = 0
