@@ -416,6 +416,21 @@ def test_calibration_keeps_each_row_counts_best_and_the_shape_of_few_rows():
     assert policy.costs.per_chain_row_slot == pytest.approx(0.8e-6, rel=1e-3)
 
 
+def test_calibration_keeps_the_drop_where_forwards_take_more_threads():
+    """Where forwards from W rows take every core (the server, runtime/device.py), T drops at W: the table is
+    non-decreasing on each side of it, measured at W - 1 and W, and rows from W are priced at what they cost,
+    not lifted to the one-thread price of W - 1 rows. Without W it is non-decreasing throughout, as before."""
+    W = 20
+    kernel = lambda rows: 0.016 + 0.002 * rows if rows < W else 0.010 + 0.001 * rows
+    costs, lifted = StepCosts(), StepCosts()
+    costs.calibrate(target_measure(kernel), wide_from=W)
+    lifted.calibrate(target_measure(kernel), wide_from=None)
+    for rows in (1, 8, W - 1, W, 32, 64):
+        assert float(costs.target(rows)) == pytest.approx(kernel(rows))
+    table = lifted.target(np.arange(1, 65))
+    assert np.all(np.diff(table) >= 0) and float(lifted.target(W)) >= kernel(16)
+
+
 def test_calibration_measures_every_row_count_a_draft_at_one_sequence_reaches():
     from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
     from specserve.engine.step_costs import CALIBRATION_ROWS

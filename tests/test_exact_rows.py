@@ -153,3 +153,47 @@ def test_smollm2_bfloat16_greedy_ngram_equals_plain():
         if method == "ngram":
             assert out.spec["num_accepted_tokens"] > 10
     assert outs["ngram"] == outs["none"]
+
+
+def test_smollm2_logits_and_greedy_output_do_not_depend_on_the_threads(monkeypatch):
+    """The server runs forwards of WIDE_FORWARD_TOKENS tokens or more on every core and the rest on one fewer
+    (runtime/device.py): a prompt and a batch of decode rows get the same logits at one thread and at two, and
+    greedy n-gram output with the count switched per forward (here from 4 tokens: every verify step and prompt
+    on two, every decode step on one) equals plain decoding at one thread."""
+    import random
+    from specserve.llm import LLM
+    from specserve.runtime import device
+    from specserve.sampling_params import SamplingParams
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setattr(device.FORWARD_THREADS, "narrow", 0)      # restored after the test
+    monkeypatch.setattr(device.FORWARD_THREADS, "wide", 0)
+    plain = LLM(speculative_method="none", kv_cache_memory_gb=0.05, dtype="bfloat16", num_threads=1)
+    engine, rng = plain.engine, random.Random(0)
+    ids = [rng.randrange(1000, 40000) for _ in range(300)]
+    cases = [[ForwardItem(list(range(20)), 0, ids)], [ForwardItem(list(range(20)), 0, ids[:200]),
+                                                      ForwardItem(list(range(20, 40)), 0, ids[200:])],
+             [ForwardItem(list(range(40 + 8 * b, 48 + 8 * b)), 100, ids[5 * b:5 * b + k]) for b, k in
+              enumerate([1, 5] * 6)]]          # 12 sequences, their contexts in blocks of their own
+    for items in cases:
+        logits = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            hidden, _ = engine.runner.forward(items)
+            logits.append(engine.model.compute_logits(hidden))
+        assert torch.equal(*logits)
+    chat = [[{"role": "user", "content": "List the colors red, green, blue, red, green, blue, red, green and blue."}]]
+    params = SamplingParams(temperature=0, max_tokens=36, num_assistant_tokens=4)
+    torch.set_num_threads(1)
+    expected = plain.chat(chat, params)[0].outputs[0].token_ids
+    torch.set_num_threads(threads)
+    switched = LLM(speculative_method="ngram", kv_cache_memory_gb=0.05, dtype="bfloat16", reserved_cpu_cores=1)
+    assert (device.FORWARD_THREADS.narrow, device.FORWARD_THREADS.wide) == (threads - 1, threads)
+    monkeypatch.setattr(device, "WIDE_FORWARD_TOKENS", 4)
+    used, set_threads = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (used.append(n), set_threads(n)))
+    out = switched.chat(chat, params)[0]
+    torch.set_num_threads(threads)
+    assert out.outputs[0].token_ids == expected and out.spec["num_accepted_tokens"] > 10
+    assert {threads - 1, threads} <= set(used)

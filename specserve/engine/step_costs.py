@@ -5,9 +5,9 @@ draft's tokens), e per step that drafts beyond that, and a per sequence and r pe
 
 T is a table over row counts of one-slot rows, s the difference CALIBRATION_SLOTS-slot rows make and s_chain the
 difference the same rows make as chains of CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of
-CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one sequence reaches and made non-decreasing; it
-is no line over a few rows on a CPU: the weights' reads bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4
-ms each where its 7th and 8th cost 5); T's table is scaled, by one factor that keeps its shape, after every decode-only
+CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one sequence reaches and made non-decreasing on
+each side of the row count where forwards take more threads; it is no line over a few rows on a CPU: the weights' reads
+bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5); T's table is scaled, by one factor that keeps its shape, after every decode-only
 step toward its measured time less s * L + s_chain * L_d; P (the time per prompt-chunk row, from steps with prompt rows,
 so that they do not skew T) a running mean of what such steps took beyond T and the slots' time.
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from specserve.runtime.device import FORWARD_THREADS
 
 TIME_RATE = 0.2                 # how far one measured step moves the cost table
 # every row count a draft at one sequence can reach (1 + AUTO_MAX_DRAFT_TOKENS), then sparser: T is no line over a
@@ -80,10 +82,15 @@ class StepCosts:
     table: list = field(default_factory=list)      # T unscaled at 0, 1, 2 ... rows, as plain floats (`unscaled`)
     table_of: np.ndarray | None = None              # the `seconds` it was made from
 
-    def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS) -> None:
+    def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS, wide_from: int | None = -1) -> None:
         """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
         `chain` rows each (a decode row and its draft's verify rows), a sequence's last row attending `slots` cache
-        slots (at most max_slots: what the KV cache and context limit allow)."""
+        slots (at most max_slots: what the KV cache and context limit allow). wide_from: the rows from which a
+        forward takes more threads (runtime/device.py, ForwardThreads), where T drops (on SmolLM2 in the server,
+        from 50 ms at 15 rows on one thread to 31 at 16 on two): measured on both sides of it (-1: the process's)."""
+        wide_from = FORWARD_THREADS.wide_from if wide_from == -1 else wide_from
+        if wide_from is not None and wide_from > 1:
+            self.rows = np.array(sorted({*self.rows.tolist(), wide_from - 1, wide_from}), dtype=float)
         slots, R, C = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS, CHAIN_CALIBRATION_ROWS
         chained = slots > C
         points = [(int(r), 1, 1) for r in self.rows] + ([(R, slots, 1)] if slots > 1 else []) \
@@ -96,10 +103,11 @@ class StepCosts:
             measure(*point)
         for _ in range(CALIBRATION_ROUNDS):
             best = np.minimum(best, [measure(*point) for point in points])
-        # non-decreasing: a point measured below the one before it (noise, or a kernel's shape: three rows cost more
-        # than four on SmolLM2's bf16 kernel) does not make rows look free to add
+        # non-decreasing on each side of wide_from: a point measured below the one before it (noise, or a kernel's
+        # shape: three rows cost more than four on SmolLM2's bf16 kernel) does not make rows look free to add
         n = len(self.rows)
-        self.seconds = np.maximum.accumulate(best[:n])
+        wide = int(np.searchsorted(self.rows, wide_from)) if wide_from is not None else n
+        self.seconds = np.concatenate([np.maximum.accumulate(best[:wide]), np.maximum.accumulate(best[wide:n])])
         if slots <= 1:
             return
         one_slot = float(np.interp(R, self.rows, self.seconds))

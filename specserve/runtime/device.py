@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,34 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
 
 
 CACHE_RESIDENT_BYTES = 32 << 20
+# a forward over at least this many tokens (a prompt chunk, a large batch) runs on every core, even where the server
+# leaves one to its HTTP front end: its products are long enough that a thread the event loop delays costs less than
+# the second core gains (SmolLM2 served on two cores, random prompts: 1.3-1.5x plain decoding's throughput at 4-32
+# concurrent requests; from 4 or 8 tokens, decode steps of 8 sequences ran slower than on one thread, from 32 those
+# of 16 did)
+WIDE_FORWARD_TOKENS = 16
+
+
+@dataclass(slots=True)
+class ForwardThreads:
+    """The intra-op threads of a forward by its size (`fit`): `narrow` for decode-sized ones, `wide` from
+    WIDE_FORWARD_TOKENS tokens. One per process (torch's threads are the process's); the same bits either way."""
+    narrow: int = 0         # 0: leave torch's setting alone
+    wide: int = 0
+
+    @property
+    def wide_from(self) -> int | None:
+        """The tokens from which a forward takes `wide` threads; None where the count never changes."""
+        return WIDE_FORWARD_TOKENS if self.narrow and self.wide > self.narrow else None
+
+    def fit(self, tokens: int) -> None:
+        if self.narrow:
+            threads = self.wide if tokens >= WIDE_FORWARD_TOKENS else self.narrow
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+
+
+FORWARD_THREADS = ForwardThreads()
 
 
 def set_cpu_threads(num_threads: int | None, model: torch.nn.Module, reserved_cores: int = 0) -> None:
@@ -38,11 +67,18 @@ def set_cpu_threads(num_threads: int | None, model: torch.nn.Module, reserved_co
     thread does not shorten; it runs on one thread, which also keeps it fast when other processes
     load the cores (a busy-waiting thread pool can then be 20x slower). Larger models use every core but
     `reserved_cores`, which the server leaves to its HTTP front end: an intra-op pool that needs every core
-    stalls each time the event loop or a client takes one (benchmarks/NOTES.md, serving threads)."""
+    stalls each time the event loop or a client takes one (benchmarks/NOTES.md, serving threads). Their forwards
+    over WIDE_FORWARD_TOKENS tokens or more still take every core (FORWARD_THREADS): on two cores a 256-token
+    prompt took 400 ms on one thread in the server, 210 ms on two."""
+    FORWARD_THREADS.narrow = FORWARD_THREADS.wide = 0
     if num_threads is None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if weight_bytes >= CACHE_RESIDENT_BYTES and not reserved_cores:
             return
-        num_threads = 1 if weight_bytes < CACHE_RESIDENT_BYTES else max(1, torch.get_num_threads() - reserved_cores)
+        cores = torch.get_num_threads()
+        num_threads = 1 if weight_bytes < CACHE_RESIDENT_BYTES else max(1, cores - reserved_cores)
+        if weight_bytes >= CACHE_RESIDENT_BYTES and num_threads < cores:
+            FORWARD_THREADS.narrow, FORWARD_THREADS.wide = num_threads, cores
     torch.set_num_threads(num_threads)
-    logger.info("CPU threads: %d", num_threads)
+    logger.info("CPU threads: %d%s", num_threads, f" ({FORWARD_THREADS.wide} for forwards of "
+                f"{WIDE_FORWARD_TOKENS} tokens or more)" if FORWARD_THREADS.narrow else "")

@@ -10,6 +10,7 @@ from torch import nn
 from specserve.config import MAX_NUM_ASSISTANT_TOKENS
 from specserve.layers.attention import BatchedCall, ForwardContext, NativeChains, RowByRow, kv_cache_dtype
 from specserve.layers.kernels import NATIVE_CACHE_DTYPES, attend_row_library
+from specserve.runtime.device import FORWARD_THREADS
 
 # with row_by_row (the target's runner), a sequence with at most this many new tokens (a decode or verify step:
 # the last token and its drafts) is attended token by token, bit-identical to plain decoding (layers/attention.py,
@@ -178,5 +179,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final hidden states [N, H] of all new tokens (flat, item after item) and aux."""
+        FORWARD_THREADS.fit(sum(len(it.token_ids) for it in items))     # before prepare: its kernels plan by threads
         input_ids, positions, ctx = self.prepare(items)
         return self.model(input_ids, positions, ctx, aux_layers)
