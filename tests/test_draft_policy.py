@@ -424,7 +424,7 @@ def test_calibration_keeps_the_drop_where_forwards_take_more_threads():
     kernel = lambda rows: 0.016 + 0.002 * rows if rows < W else 0.010 + 0.001 * rows
     costs, lifted = StepCosts(), StepCosts()
     costs.calibrate(target_measure(kernel), wide_from=W)
-    lifted.calibrate(target_measure(kernel), wide_from=None)
+    lifted.calibrate(target_measure(kernel), wide_from=0)
     for rows in (1, 8, W - 1, W, 32, 64):
         assert float(costs.target(rows)) == pytest.approx(kernel(rows))
     table = lifted.target(np.arange(1, 65))

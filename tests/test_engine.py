@@ -210,8 +210,9 @@ def test_cpu_threads_one_for_cached_weights_else_all_cores_but_the_reserved(monk
 
 def test_the_server_runs_wide_forwards_on_every_core(monkeypatch):
     """With a core left to the HTTP front end, a forward of WIDE_FORWARD_TOKENS tokens or more (a prompt chunk, a
-    large batch) takes every core and a decode-sized one the rest; torch is told only on a change. A number given,
-    or a model whose weights fit in cache, keeps one count."""
+    large batch) takes every core and a decode-sized one the rest; torch is told only on a change. An engine made
+    after a narrow forward still counts every core. A number given, or a model whose weights fit in cache, keeps
+    one count."""
     from specserve.runtime import device
     large = torch.nn.Linear(device.CACHE_RESIDENT_BYTES // 4 // 1024 + 1, 1024, bias=False)
     threads = [4]
@@ -223,6 +224,8 @@ def test_the_server_runs_wide_forwards_on_every_core(monkeypatch):
     for tokens in (1, device.WIDE_FORWARD_TOKENS - 1, device.WIDE_FORWARD_TOKENS, 500, 2, 3):
         device.FORWARD_THREADS.fit(tokens)
     assert threads == [4, 3, 4, 3]
+    device.set_cpu_threads(None, large, reserved_cores=1)         # a second engine, after a narrow forward
+    assert (device.FORWARD_THREADS.narrow, device.FORWARD_THREADS.wide, threads[-1]) == (3, 4, 3)
     for num_threads, model in ((2, large), (None, torch.nn.Linear(8, 8))):
         device.set_cpu_threads(num_threads, model, reserved_cores=1)
         device.FORWARD_THREADS.fit(500)

@@ -7,8 +7,9 @@ T is a table over row counts of one-slot rows, s the difference CALIBRATION_SLOT
 difference the same rows make as chains of CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of
 CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one sequence reaches and made non-decreasing on
 each side of the row count where forwards take more threads; it is no line over a few rows on a CPU: the weights' reads
-bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5); T's table is scaled, by one factor that keeps its shape, after every decode-only
-step toward its measured time less s * L + s_chain * L_d; P (the time per prompt-chunk row, from steps with prompt rows,
+bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5); T's table is
+scaled, by one factor that keeps its shape, after every decode-only step toward its measured time less s * L + s_chain
+* L_d; P (the time per prompt-chunk row, from steps with prompt rows,
 so that they do not skew T) a running mean of what such steps took beyond T and the slots' time.
 
 The drafter's prices are non-negative least-squares fits over recent steps (`LinearFit`): propose()'s time against the
@@ -82,14 +83,15 @@ class StepCosts:
     table: list = field(default_factory=list)      # T unscaled at 0, 1, 2 ... rows, as plain floats (`unscaled`)
     table_of: np.ndarray | None = None              # the `seconds` it was made from
 
-    def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS, wide_from: int | None = -1) -> None:
+    def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS, wide_from: int | None = None) -> None:
         """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
         `chain` rows each (a decode row and its draft's verify rows), a sequence's last row attending `slots` cache
         slots (at most max_slots: what the KV cache and context limit allow). wide_from: the rows from which a
-        forward takes more threads (runtime/device.py, ForwardThreads), where T drops (on SmolLM2 in the server,
-        from 50 ms at 15 rows on one thread to 31 at 16 on two): measured on both sides of it (-1: the process's)."""
-        wide_from = FORWARD_THREADS.wide_from if wide_from == -1 else wide_from
-        if wide_from is not None and wide_from > 1:
+        forward takes more threads, where T drops (EAGLE3's server on SmolLM2: 45 ms at 15 rows on one thread, 29 at
+        16 on two), measured on both sides; None: where this process's do (runtime/device.py, ForwardThreads), 0:
+        nowhere."""
+        wide_from = FORWARD_THREADS.wide_from if wide_from is None else wide_from
+        if wide_from and wide_from > 1:
             self.rows = np.array(sorted({*self.rows.tolist(), wide_from - 1, wide_from}), dtype=float)
         slots, R, C = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS, CHAIN_CALIBRATION_ROWS
         chained = slots > C
@@ -106,7 +108,7 @@ class StepCosts:
         # non-decreasing on each side of wide_from: a point measured below the one before it (noise, or a kernel's
         # shape: three rows cost more than four on SmolLM2's bf16 kernel) does not make rows look free to add
         n = len(self.rows)
-        wide = int(np.searchsorted(self.rows, wide_from)) if wide_from is not None else n
+        wide = int(np.searchsorted(self.rows, wide_from)) if wide_from else n
         self.seconds = np.concatenate([np.maximum.accumulate(best[:wide]), np.maximum.accumulate(best[wide:n])])
         if slots <= 1:
             return

@@ -70,12 +70,14 @@ def set_cpu_threads(num_threads: int | None, model: torch.nn.Module, reserved_co
     stalls each time the event loop or a client takes one (benchmarks/NOTES.md, serving threads). Their forwards
     over WIDE_FORWARD_TOKENS tokens or more still take every core (FORWARD_THREADS): on two cores a 256-token
     prompt took 400 ms on one thread in the server, 210 ms on two."""
+    cores = max(torch.get_num_threads(), FORWARD_THREADS.wide)     # an earlier engine's last forward may be narrow
     FORWARD_THREADS.narrow = FORWARD_THREADS.wide = 0
     if num_threads is None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if weight_bytes >= CACHE_RESIDENT_BYTES and not reserved_cores:
+            if cores != torch.get_num_threads():
+                torch.set_num_threads(cores)
             return
-        cores = torch.get_num_threads()
         num_threads = 1 if weight_bytes < CACHE_RESIDENT_BYTES else max(1, cores - reserved_cores)
         if weight_bytes >= CACHE_RESIDENT_BYTES and num_threads < cores:
             FORWARD_THREADS.narrow, FORWARD_THREADS.wide = num_threads, cores
