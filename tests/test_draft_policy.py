@@ -431,6 +431,25 @@ def test_calibration_keeps_the_drop_where_forwards_take_more_threads():
     assert np.all(np.diff(table) >= 0) and float(lifted.target(W)) >= kernel(16)
 
 
+def test_steps_on_more_threads_correct_their_part_of_the_table():
+    """Start-up calibration does not see the stalls the server's front end adds to a step on every core: steps from
+    W rows correct T from W on (wide_ratio), steps below it the rest (scale), so the drop at W stays only as deep as
+    measured steps show it. Drafts that bring a step to W rows otherwise looked nearly free."""
+    W = 20
+    kernel = lambda rows: 0.016 + 0.002 * rows if rows < W else 0.010 + 0.001 * rows
+    costs = StepCosts()
+    costs.calibrate(target_measure(kernel), wide_from=W)
+    for _ in range(60):
+        costs.observe_target(32, 1.5 * kernel(32))
+    assert float(costs.target(32)) == pytest.approx(1.5 * kernel(32), rel=0.015)
+    assert float(costs.target(W)) == pytest.approx(1.5 * kernel(W), rel=0.015)
+    assert float(costs.target(W - 1)) == pytest.approx(kernel(W - 1))
+    for _ in range(60):
+        costs.observe_target(4, 1.2 * kernel(4))
+    assert float(costs.target(8)) == pytest.approx(1.2 * kernel(8), rel=1e-3)
+    assert float(costs.target(32)) == pytest.approx(1.2 * 1.5 * kernel(32), rel=0.015)   # its ratio to the rest kept
+
+
 def test_calibration_measures_every_row_count_a_draft_at_one_sequence_reaches():
     from specserve.drafting.options import AUTO_MAX_DRAFT_TOKENS
     from specserve.engine.step_costs import CALIBRATION_ROWS

@@ -9,8 +9,8 @@ CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one seque
 each side of the row count where forwards take more threads; it is no line over a few rows on a CPU: the weights' reads
 bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5); T's table is
 scaled, by one factor that keeps its shape, after every decode-only step toward its measured time less s * L + s_chain
-* L_d; P (the time per prompt-chunk row, from steps with prompt rows,
-so that they do not skew T) a running mean of what such steps took beyond T and the slots' time.
+* L_d; P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of
+what such steps took beyond T and the slots' time.
 
 The drafter's prices are non-negative least-squares fits over recent steps (`LinearFit`): propose()'s time against the
 tokens it caught up on, its draft steps, 1, its drafting sequences and its draft tokens (r, h, e, d, c);
@@ -82,6 +82,9 @@ class StepCosts:
     catch_up_fit: LinearFit = field(default_factory=lambda: LinearFit.of(3))
     table: list = field(default_factory=list)      # T unscaled at 0, 1, 2 ... rows, as plain floats (`unscaled`)
     table_of: np.ndarray | None = None              # the `seconds` it was made from
+    wide_from: int = 0          # the rows from which forwards take more threads (0: none), where T drops
+    wide_ratio: float = 1.0     # what measured steps make of T from there on, beyond `scale`
+    table_ratio: float = 1.0    # the wide_ratio `table` was made with
 
     def calibrate(self, measure, max_slots: int = CALIBRATION_SLOTS, wide_from: int | None = None) -> None:
         """measure(rows, slots, chain) -> seconds of one target forward and verify at that many rows, in sequences of
@@ -93,6 +96,7 @@ class StepCosts:
         wide_from = FORWARD_THREADS.wide_from if wide_from is None else wide_from
         if wide_from and wide_from > 1:
             self.rows = np.array(sorted({*self.rows.tolist(), wide_from - 1, wide_from}), dtype=float)
+            self.wide_from = wide_from
         slots, R, C = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS, CHAIN_CALIBRATION_ROWS
         chained = slots > C
         points = [(int(r), 1, 1) for r in self.rows] + ([(R, slots, 1)] if slots > 1 else []) \
@@ -125,17 +129,20 @@ class StepCosts:
         return self.scale * self.interpolate(np.asarray(rows, dtype=float))
 
     def interpolate(self, rows: np.ndarray) -> np.ndarray:
-        """The calibrated table at `rows`, linear between its points and beyond the last along its last slope."""
+        """The calibrated table at `rows`, linear between its points and beyond the last along its last slope, times
+        wide_ratio from wide_from rows."""
         x, y = self.rows, self.seconds
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-        return np.interp(rows, x, y) + slope * np.maximum(rows - x[-1], 0.0)
+        seconds = np.interp(rows, x, y) + slope * np.maximum(rows - x[-1], 0.0)
+        return seconds * np.where(rows >= self.wide_from, self.wide_ratio, 1.0) if self.wide_from else seconds
 
     def unscaled(self, rows: int) -> list[float]:
         """T before `scale` at 0 .. rows - 1 rows (at least), as plain floats: the policy's choice reads it a row
         count at a time (numpy's calls, cold after a forward, cost the choice more than its arithmetic)."""
-        if self.table_of is not self.seconds or len(self.table) < rows:
+        if self.table_of is not self.seconds or len(self.table) < rows \
+                or abs(self.wide_ratio - self.table_ratio) > 0.01 * self.table_ratio:
             self.table = self.interpolate(np.arange(max(rows, 2 * len(self.table), 256), dtype=float)).tolist()
-            self.table_of = self.seconds
+            self.table_of, self.table_ratio = self.seconds, self.wide_ratio
         return self.table
 
     def attention(self, first_slots: float, chain_slots: float) -> float:
@@ -159,9 +166,15 @@ class StepCosts:
         """Scale the calibrated table toward a measured time: one factor for all rows (a geometric running mean), so
         that its shape holds. Moved point by point, steps at 33-64 rows raised T(32) more than T(64) and T(64) more
         than T(128): flat stretches where rows looked free to draft (on SmolLM2 at 32 sequences of 600 slots, the
-        measured steps differ from the calibrated table by one factor, 1.2, from 32 rows to 100)."""
+        measured steps differ from the calibrated table by one factor, 1.2, from 32 rows to 100). Steps from
+        wide_from rows, on more threads, correct that part on its own (wide_ratio): the server's front end stalls
+        them as it cannot a one-thread step, which calibration at start-up does not see."""
         if rows > 0 and seconds > 0:
-            self.scale *= (seconds / float(self.target(rows))) ** TIME_RATE
+            factor = (seconds / float(self.target(rows))) ** TIME_RATE
+            if self.wide_from and rows >= self.wide_from:
+                self.wide_ratio *= factor
+            else:
+                self.scale *= factor
 
     def observe_drafting(self, token_ids: list[list[int]], seconds: float, catch_up: list[int], deferred: float,
                          catch_up_seconds: float | None = None) -> None:
