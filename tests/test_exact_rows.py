@@ -155,7 +155,7 @@ def test_smollm2_bfloat16_greedy_ngram_equals_plain():
     assert outs["ngram"] == outs["none"]
 
 
-def test_smollm2_logits_and_greedy_output_do_not_depend_on_the_threads(monkeypatch):
+def test_smollm2_logits_and_greedy_output_do_not_depend_on_the_threads(monkeypatch, two_threads):
     """The server runs forwards of WIDE_FORWARD_TOKENS tokens or more on every core and the rest on one fewer
     (runtime/device.py): a prompt and a batch of decode rows get the same logits at one thread and at two, and
     greedy n-gram output with the count switched per forward (here from 4 tokens: every verify step and prompt
@@ -164,9 +164,7 @@ def test_smollm2_logits_and_greedy_output_do_not_depend_on_the_threads(monkeypat
     from specserve.llm import LLM
     from specserve.runtime import device
     from specserve.sampling_params import SamplingParams
-    threads = torch.get_num_threads()
-    if threads < 2:
-        pytest.skip("needs two cores")
+    threads = torch.get_num_threads()          # 2 (`two_threads`: an earlier engine may have set one)
     monkeypatch.setattr(device.FORWARD_THREADS, "narrow", 0)      # restored after the test
     monkeypatch.setattr(device.FORWARD_THREADS, "wide", 0)
     plain = LLM(speculative_method="none", kv_cache_memory_gb=0.05, dtype="bfloat16", num_threads=1)

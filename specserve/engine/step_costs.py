@@ -8,9 +8,9 @@ difference the same rows make as chains of CHAIN_CALIBRATION_ROWS, all measured 
 CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one sequence reaches and made non-decreasing on
 each side of the row count where forwards take more threads; it is no line over a few rows on a CPU: the weights' reads
 bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5); T's table is
-scaled, by one factor that keeps its shape, after every decode-only step toward its measured time less s * L + s_chain
-* L_d; P (the time per prompt-chunk row, from steps with prompt rows, so that they do not skew T) a running mean of
-what such steps took beyond T and the slots' time.
+scaled, by one factor that keeps its shape (and one more from where forwards take more threads), after every
+decode-only step toward its measured time less s * L + s_chain * L_d; P (the time per prompt-chunk row, from steps
+with prompt rows, so that they do not skew T) a running mean of what such steps took beyond T and the slots' time.
 
 The drafter's prices are non-negative least-squares fits over recent steps (`LinearFit`): propose()'s time against the
 tokens it caught up on, its draft steps, 1, its drafting sequences and its draft tokens (r, h, e, d, c);
