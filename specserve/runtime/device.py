@@ -69,7 +69,7 @@ def set_cpu_threads(num_threads: int | None, model: torch.nn.Module, reserved_co
     `reserved_cores`, which the server leaves to its HTTP front end: an intra-op pool that needs every core
     stalls each time the event loop or a client takes one (benchmarks/NOTES.md, serving threads). Their forwards
     over WIDE_FORWARD_TOKENS tokens or more still take every core (FORWARD_THREADS): on two cores a 256-token
-    prompt took 400 ms on one thread in the server, 210 ms on two."""
+    prompt took ~400 ms on one thread in the server, 210 ms on two offline."""
     cores = max(torch.get_num_threads(), FORWARD_THREADS.wide)     # an earlier engine's last forward may be narrow
     FORWARD_THREADS.narrow = FORWARD_THREADS.wide = 0
     if num_threads is None:
