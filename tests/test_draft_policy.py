@@ -448,6 +448,9 @@ def test_steps_on_more_threads_correct_their_part_of_the_table():
         costs.observe_target(4, 1.2 * kernel(4))
     assert float(costs.target(8)) == pytest.approx(1.2 * kernel(8), rel=1e-3)
     assert float(costs.target(32)) == pytest.approx(1.2 * 1.5 * kernel(32), rel=0.015)   # its ratio to the rest kept
+    for i in range(200):                # remade as the ratio moves, at its length: it grew 2x each time (OOM)
+        costs.observe_target(32, (1.5 + 0.5 * (i % 2)) * kernel(32))
+    assert len(costs.unscaled(64)) == 256
 
 
 def test_calibration_measures_every_row_count_a_draft_at_one_sequence_reaches():

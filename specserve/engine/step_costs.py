@@ -139,9 +139,11 @@ class StepCosts:
     def unscaled(self, rows: int) -> list[float]:
         """T before `scale` at 0 .. rows - 1 rows (at least), as plain floats: the policy's choice reads it a row
         count at a time (numpy's calls, cold after a forward, cost the choice more than its arithmetic)."""
-        if self.table_of is not self.seconds or len(self.table) < rows \
-                or abs(self.wide_ratio - self.table_ratio) > 0.01 * self.table_ratio:
-            self.table = self.interpolate(np.arange(max(rows, 2 * len(self.table), 256), dtype=float)).tolist()
+        short = len(self.table) < rows          # grown by doubling; remade at its length when T or wide_ratio moved
+        moved = abs(self.wide_ratio - self.table_ratio) > 0.01 * self.table_ratio
+        if short or moved or self.table_of is not self.seconds:
+            size = max(rows, 2 * len(self.table), 256) if short else len(self.table)
+            self.table = self.interpolate(np.arange(size, dtype=float)).tolist()
             self.table_of, self.table_ratio = self.seconds, self.wide_ratio
         return self.table
 
