@@ -343,13 +343,15 @@ def test_a_ratio_under_the_goal_is_below_it_only_beyond_the_machines_noise():
 
 
 def test_sweep_table_and_files(tmp_path):
-    points = [point("none", 0, 100.0), point("ngram", 2, 150.0), point("ngram", 4, 120.0)]
+    points = [point("none", 0, 100.0), replace(point("ngram", 2, 150.0), mean_ttft_ms=81.25), point("ngram", 4, 120.0)]
     add_speedups(points)
     assert [p.speedup for p in points] == pytest.approx([1.0, 1.5, 1.2])
     table = format_table(points)
-    assert "speedup" in table.splitlines()[0] and "1.50x" in table
+    assert "speedup" in table.splitlines()[0] and "TTFT ms" in table.splitlines()[0] and "1.50x" in table
+    assert table.splitlines()[3].split()[6] == "81.2" and table.splitlines()[2].split()[6] == "-"
     paths = write_results(points, tmp_path)
     assert [p.name for p in paths] == ["sweep.csv", "sweep.json", "sweep.png"]
+    assert "mean_ttft_ms" in paths[0].read_text().splitlines()[0]
     assert paths[2].read_bytes()[:4] == b"\x89PNG" and len(json.loads(paths[1].read_text())) == 3
 
 
@@ -503,6 +505,7 @@ def test_bench_sweep_cli_against_fake_server(fake_server, tmp_path, capsys):
     order = re.findall(r"num_assistant_tokens=(\d) concurrency=1 round (\d)/3", out)
     assert order == [("0", "1"), ("2", "1"), ("2", "2"), ("0", "2"), ("2", "3"), ("0", "3")]
     assert points[1].tokens_per_step == pytest.approx(7 / 4)   # 7 tokens, 3 of them accepted drafts
+    assert all(p.mean_ttft_ms > 0 for p in points) and "TTFT" in out
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"sweep.csv", "sweep.json", "sweep.png"}
     assert "speedup" in out
 

@@ -389,7 +389,7 @@ def test_a_split_fitted_once_outlives_steps_of_one_draft_length():
     assert (fresh.per_draft_step, fresh.per_draft_call) == (pytest.approx(2.6e-3), 0.0)
 
 
-def test_calibration_keeps_each_row_counts_best_and_the_shape_of_few_rows():
+def test_calibration_keeps_each_row_counts_best_and_the_shape_of_few_rows(caplog):
     """T is measured at every row count a draft at one sequence reaches, in interleaved rounds, the first dropped (a
     new process's first forwards), each point's best kept, made non-decreasing. Its shape over a few rows is kept:
     SmolLM2's bf16 kernel is bound by the weights' reads up to ~6 rows (+0.4 ms a row) and by the CPU's dot products
@@ -406,9 +406,11 @@ def test_calibration_keeps_each_row_counts_best_and_the_shape_of_few_rows():
         dip = -0.001 if rows == 3 else 0.0                              # three rows measured below two
         return (chained(rows, slots, chain) + noisy + dip) * (5 if first else 1)
     policy = DraftPolicy(8)
-    policy.calibrate(measure)
+    with caplog.at_level("INFO", logger="specserve.engine.step_costs"):
+        policy.calibrate(measure)
     T = policy.costs.target
     assert {rows for rows, _, _ in calls} >= set(range(1, 10))
+    assert "1 rows 16.4 ms, 2 rows 16.8 ms" in caplog.text       # the table, logged as the server starts
     assert float(T(5) - T(1)) == pytest.approx(0.0016, abs=1e-5)
     assert float(T(8) - T(6)) == pytest.approx(0.010, abs=1e-5)
     assert float(T(3)) == pytest.approx(float(T(2)))                    # the dip: no row looks free

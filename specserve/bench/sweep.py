@@ -33,6 +33,7 @@ class SweepPoint:
     speedup: float | None = None        # output tokens/s over plain decoding's, at the same concurrency
     block: str | None = None            # the method whose interleaved block measured it (plain's own baseline)
     runs: list[float] | None = None     # each round's output tokens/s (--repeats); output_throughput: their median
+    mean_ttft_ms: float | None = None   # time to first token: the prompt's wait and prefill, which TPOT leaves out
 
 
 def usage_total(result: BenchResult, key: str) -> int:
@@ -64,7 +65,8 @@ def point_of(method: str, num_assistant_tokens: int | str, result: BenchResult, 
              ) -> SweepPoint:
     m = result.metrics
     return SweepPoint(method, num_assistant_tokens, acceptance_length(result), tokens_per_target_step(result),
-                      m.output_throughput, m.tpot.mean, m.completed, m.failed, concurrency, m.mean_draft_length)
+                      m.output_throughput, m.tpot.mean, m.completed, m.failed, concurrency, m.mean_draft_length,
+                      mean_ttft_ms=m.ttft.mean)
 
 
 def concurrencies_of(args: argparse.Namespace) -> list[int | None]:
@@ -109,7 +111,8 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
                 rounds[i].append(point := point_of(target.method, k, result, c))
                 print(f"{target.method} num_assistant_tokens={k} concurrency={c}"
                       f"{f' round {r + 1}/{repeats}' if repeats > 1 else ''}: {point.output_throughput:.2f} tok/s, "
-                      f"{point.tokens_per_step:.2f} tokens/step, TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
+                      f"{point.tokens_per_step:.2f} tokens/step, TTFT {point.mean_ttft_ms:.1f} ms, "
+                      f"TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
         points += [median_point(rounds[i], block) for i in order]
     return points
 
@@ -252,13 +255,15 @@ def paired_ratio(p: SweepPoint, reference: SweepPoint | None) -> str:
 
 def format_table(points: list[SweepPoint]) -> str:
     header = (f"{'method':<10} {'k':>4} {'conc':>4} {'accept len':>10} {'tok/step':>9} {'out tok/s':>10} "
-              f"{'TPOT ms':>9} {'speedup':>8}")
+              f"{'TTFT ms':>9} {'TPOT ms':>9} {'speedup':>8}")
     lines = [header, "-" * len(header)]
     for p in points:
         accept = f"{p.acceptance_length:.2f}" if p.acceptance_length is not None else "-"
         speedup = f"{p.speedup:.2f}x" if p.speedup is not None else "-"
+        ttft = f"{p.mean_ttft_ms:.1f}" if p.mean_ttft_ms is not None else "-"
         lines.append(f"{p.method:<10} {p.num_assistant_tokens!s:>4} {p.concurrency or '-'!s:>4} {accept:>10} "
-                     f"{p.tokens_per_step:>9.2f} {p.output_throughput:>10.2f} {p.mean_tpot_ms:>9.2f} {speedup:>8}")
+                     f"{p.tokens_per_step:>9.2f} {p.output_throughput:>10.2f} {ttft:>9} {p.mean_tpot_ms:>9.2f} "
+                     f"{speedup:>8}")
     return "\n".join(lines)
 
 

@@ -27,11 +27,14 @@ batch is priced as the steps seen were, per forward: priced per sequence, a batc
 what it costs; and a catch-up, per sequence before per token."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from specserve.runtime.device import FORWARD_THREADS
+
+logger = logging.getLogger(__name__)
 
 TIME_RATE = 0.2                 # how far one measured step moves the cost table
 # every row count a draft at one sequence can reach (1 + AUTO_MAX_DRAFT_TOKENS), then sparser: T is no line over a
@@ -114,6 +117,8 @@ class StepCosts:
         n = len(self.rows)
         wide = int(np.searchsorted(self.rows, wide_from)) if wide_from else n
         self.seconds = np.concatenate([np.maximum.accumulate(best[:wide]), np.maximum.accumulate(best[wide:n])])
+        logger.info("auto draft lengths: the target's step calibrated at %s", ", ".join(
+            f"{r:g} rows {t * 1e3:.1f} ms" for r, t in zip(self.rows, self.seconds)))
         if slots <= 1:
             return
         one_slot = float(np.interp(R, self.rows, self.seconds))
