@@ -113,9 +113,10 @@ class DraftModelProposer(Proposer):
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Run the draft over each sequence's committed tokens it has not seen, but its last (the first draft step's)."""
         self.runner.forward([ForwardItem(seq.block_table, seq.num_drafter_computed,
-                                         seq.token_ids[seq.num_drafter_computed:len(seq) - 1]) for seq in seqs])
+                                         seq.token_ids[seq.num_drafter_computed:seq.num_computed_tokens])
+                             for seq in seqs])
         for seq in seqs:
-            seq.num_drafter_computed = len(seq) - 1
+            seq.num_drafter_computed = seq.num_computed_tokens
 
     def on_target_forward(self, seqs: list[Sequence], hidden: TargetHidden) -> float:
         for seq in seqs:
