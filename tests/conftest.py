@@ -120,7 +120,8 @@ def make_drafts_free(llm, monkeypatch) -> None:
     costs = llm.engine.policy.costs
     monkeypatch.setattr(costs, "seconds", np.full_like(costs.seconds, 0.01))
     for name in ("per_draft_call", "per_draft_step", "per_draft_seq", "per_draft_token", "per_catch_up_seq",
-                 "per_catch_up_token", "per_row_slot", "per_chain_row_slot"):
+                 "per_catch_up_token", "per_row_slot", "per_chain_row_slot", "narrow_row_slot",
+                 "narrow_chain_row_slot"):
         monkeypatch.setattr(costs, name, 0.0)
     for name in ("observe_target", "observe_drafting"):
         monkeypatch.setattr(type(costs), name, lambda self, *args: None)

@@ -38,14 +38,19 @@ def policy_with(rows_to_seconds, acceptance: dict[int, float], per_row_slot: flo
     assert policy.costs.per_row_slot == pytest.approx(per_row_slot, abs=1e-12)
     chain_rate = per_row_slot if per_chain_row_slot is None else per_chain_row_slot
     assert policy.costs.per_chain_row_slot == pytest.approx(chain_rate, abs=1e-12)
+    teach(policy, acceptance)
+    return policy
+
+
+def teach(policy: DraftPolicy, acceptance: dict[int, float]) -> None:
+    """The policy's sequences learn `acceptance`: 200 drafts of 8 whose tokens are each accepted at that rate."""
     for seq_id, rate in acceptance.items():
         rng = np.random.default_rng(seq_id)
-        for _ in range(200):      # drafts of 8 whose tokens are each accepted with probability `rate`
+        for _ in range(200):
             accepted = 0
             while accepted < 8 and rng.random() < rate:
                 accepted += 1
             policy.observe(seq_id, 8, accepted)
-    return policy
 
 
 def test_long_drafts_when_verify_is_cheap_and_acceptance_high():
@@ -479,6 +484,33 @@ def test_a_chains_cheap_rows_buy_longer_drafts():
         chain_slots = sum(550 + j for j in range(1, 5))
         p.costs.observe_step(5, 0, before + 1.6e-6 * 550 + rate * chain_slots, 550, chain_slots)
         assert float(p.costs.target(5)) == pytest.approx(before)
+
+
+def test_slots_are_priced_on_the_threads_a_step_takes():
+    """Where forwards from W rows take every core (the server), a slot costs more in a step under W rows, on one
+    thread (SmolLM2 at 512 slots: 1.6-1.8 us against 1.0 at 32 rows on two; a chain's 0.8-0.9 against 0.3). s and
+    s_chain are measured on both sides of W: priced at 32 rows' values, a draft's verify rows at one sequence of 550
+    slots looked 0.2 ms cheaper each than they were, and a 0.6-acceptance draft came out longer than it pays."""
+    W, kernel = 16, lambda rows: 0.016 + 0.0004 * rows
+    narrow_measure, wide_measure = target_measure(kernel, 1.7e-6, 0.8e-6), target_measure(kernel, 1.0e-6, 0.3e-6)
+    measure = lambda rows, slots, chain=1: (narrow_measure if rows < W else wide_measure)(rows, slots, chain)
+    threads, one_price = DraftPolicy(8), DraftPolicy(8)
+    threads.costs.calibrate(measure, wide_from=W)
+    one_price.costs.calibrate(wide_measure, wide_from=0)      # what the policy priced every step at before
+    assert threads.costs.slot_prices(5) == pytest.approx((1.7e-6, 0.8e-6))
+    assert threads.costs.slot_prices(W) == threads.costs.slot_prices(64) == pytest.approx((1.0e-6, 0.3e-6))
+    assert one_price.costs.slot_prices(5) == pytest.approx((1.0e-6, 0.3e-6))
+    for p in (threads, one_price):
+        p.costs.per_draft_token = 0.0005
+        teach(p, {1: 0.6})
+    lengths = [p.choose([Candidate(1, 8, context=550)], fixed_rows=1, num_fixed_tokens=1, fixed_slots=550)[0]
+               for p in (threads, one_price)]
+    assert 0 < lengths[0] < lengths[1]
+    # a one-thread step measured at its own slots' time leaves T as it was; a step from W rows at the wide prices
+    for rows, (s, s_chain) in ((5, (1.7e-6, 0.8e-6)), (W + 4, (1.0e-6, 0.3e-6))):
+        before, chain_slots = float(threads.costs.target(rows)), sum(550 + j for j in range(1, rows))
+        threads.costs.observe_step(rows, 0, before + s * 550 + s_chain * chain_slots, 550, chain_slots)
+        assert float(threads.costs.target(rows)) == pytest.approx(before)
 
 
 def test_a_new_sequence_starts_from_the_methods_rate():

@@ -13,7 +13,7 @@ tokens (the accepted prefix, plus the target's own token after it). The step tak
 where T is the target's forward-and-verify time at R decode rows, L the cache slots the sequences' first decode rows
 attend (a row attends its whole context) and s the time such a row pays per slot, L_d the slots their drafts' verify
 rows attend (draft token j of sequence i reads ctx_i + j) and s_chain what those pay per slot (less: they follow their
-sequence's first row over the same context, in the CPU's caches; ~0.45 s on SmolLM2 at one thread), c the drafter's time
+sequence's first row over the same context, in the CPU's caches; each priced on R rows' threads), c the drafter's time
 per draft token, d per sequence that drafts (with EAGLE3's head and MTP's layers run over its committed tokens after the
 step, whatever the draft's length), h per draft step and e per step that drafts at all beyond them (a drafter forward's
 own time, whatever the batch: MTP's layers took 1.5 ms for one sequence's draft token on SmolLM2, 2.2 ms for four), and
@@ -35,9 +35,8 @@ S(k). Each g_ij falls with j, so adding draft tokens in descending order of g pe
 verify row, slots and c, plus d + V_i spread over the sequence's cap) visits, for every total n, about the allocation
 with the most expected tokens at that cost; G is evaluated exactly at every n in one pass and the best n taken. Cheap
 verify rows and high acceptance give long chains; a large batch (T steep in R) with low acceptance gives 0. The choice
-is plain Python over lists of floats: it runs right after the target's forward has streamed the weights through the
-CPU's caches, where each numpy call paid its own code's misses, and over numpy arrays choosing added 0.34-0.37 ms to a
-step's scheduling at one sequence of SmolLM2, against 0.05-0.07 ms this way (1.3% of a 28 ms step, against 0.2%).
+is plain Python over lists of floats: over numpy arrays, each call cold after the target's forward, it added 0.34-0.37
+ms to a step at one sequence of SmolLM2, against 0.05-0.07 ms (1.3% of a 28 ms step, against 0.2%).
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
 decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by SEQ_DECAY
@@ -55,9 +54,8 @@ the probe's verify row stopped held EAGLE3 and MTP sequences from probing for go
 the draft model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at
 which a probe got its sequence drafted the step after, capped at 1 and floored at MIN_EXPLORE_FRACTION: on text no
 drafter predicts, every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of k=0 on its own server. A choice
-that holds the whole batch at 0 is kept for its sequences for up to HOLD_STEPS steps, unless a probe falls due and is
-paid for: a held batch's estimates only drift, and choosing, cold after a forward, costs ~0.2 ms at 8 sequences of
-SmolLM2.
+holding the whole batch at 0 is kept for up to HOLD_STEPS steps unless a probe falls due and is paid for: a held batch's
+estimates only drift, and choosing costs ~0.2 ms at 8 sequences of SmolLM2.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's verify
 costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec (draft lengths
@@ -149,9 +147,7 @@ class DraftPolicy:
         decoding sequence, fixed drafts), the first of each sequence attending fixed_slots slots in all and the
         fixed drafts' fixed_chain_slots; num_fixed_tokens: tokens the step commits regardless (one per sequence that
         samples)."""
-        if not candidates:
-            return []
-        if self.repeat_hold(tuple(c.seq_id for c in candidates)):
+        if not candidates or self.repeat_hold(tuple(c.seq_id for c in candidates)):
             return [0] * len(candidates)
         return self.choose_afresh(candidates, fixed_rows, num_fixed_tokens, fixed_slots, fixed_chain_slots)
 
@@ -164,7 +160,7 @@ class DraftPolicy:
         caps = [min(c.max_tokens, K) for c in candidates]
         scale, table = costs.scale, costs.unscaled(fixed_rows + sum(caps) + 2)     # T at fixed_rows + n rows
         row = scale * (table[fixed_rows + 1] - table[fixed_rows])          # a verify row
-        per_slot = costs.per_chain_row_slot
+        per_slot = costs.slot_prices(fixed_rows + 1)[1]
         # a sequence's drafting beyond its tokens at c each: d, and its catch-up: what a run resumed after a hold pays
         # again shared by its expected run of steps, the rest (a prompt's, once) by the steps it is expected to draft
         remaining = [max(1, c.remaining) for c in candidates]
@@ -174,36 +170,39 @@ class DraftPolicy:
                   zip(catch_up, resumed, runs, self.runs.spans(remaining, runs))]
         # every draft token (sequence i, position j): its expected tokens g_ij per cost (its verify row, its slots,
         # c, and the sequence's spread over its cap), highest first (a sequence's in order, as g_ij falls with j), and
-        # what it adds to the step's time beyond its row and the drafter's forwards (its slots, c, a first one spread)
-        tokens, steps = [], [per_slot * j for j in range(1, K + 1)]
+        # what it adds to the step's time beyond its row, its slots and the drafter's forwards (c, a first one spread)
+        tokens, token_cost = [], costs.per_draft_token
         for i, (c, st, cap) in enumerate(zip(candidates, stats, caps)):
             if not cap:
                 continue
-            context = per_slot * c.context + costs.per_draft_token
             gains = accumulate(st.rates(prior, PRIOR_WEIGHT)[:cap], mul)
-            share, first = max(row + spread[i] / cap, 1e-12), len(tokens)
-            tokens += [(g / (share + a), g, i, j, a) for j, g, a in zip(range(cap), gains, [context + step for step
-                                                                                          in steps[:cap]])]
-            key, gain, _, _, added = tokens[first]
-            tokens[first] = (key, gain, i, 0, added + spread[i])
+            share = max(row + spread[i] / cap, 1e-12) + token_cost
+            tokens += [(g / (share + per_slot * slots), g, i, j, token_cost + (j == 0) * spread[i], slots)
+                       for j, g, slots in zip(range(cap), gains, range(c.context + 1, c.context + cap + 1))]
         tokens.sort(key=itemgetter(0), reverse=True)        # stable: ties keep (i, j) order
-        # the step's time and expected tokens with the first n of them, for every n: the best ratio wins
-        time = costs.attention(fixed_slots, fixed_chain_slots)
-        best, best_seconds = 0, scale * table[fixed_rows] + time
+        # the step's time and expected tokens with the first n of them, for every n: the best ratio wins (slots at
+        # the price on the threads a forward of that many rows takes)
+        time, chain, narrow = 0.0, fixed_chain_slots, costs.wide_from - fixed_rows     # n from which it is wide
+        (s, s_chain), (s_wide, s_chain_wide) = costs.slot_prices(fixed_rows), costs.slot_prices(1 << 30)
+        best, best_seconds = 0, scale * table[fixed_rows] + s * fixed_slots + s_chain * chain
         best_ratio = num_fixed_tokens / best_seconds
         gained, longest, forwards = float(num_fixed_tokens), 0, 0.0
-        for n, (_, gain, i, j, cost), target in zip(count(1), tokens, table[fixed_rows + 1:]):
+        for n, (_, gain, i, j, cost, slots), target in zip(count(1), tokens, table[fixed_rows + 1:]):
             gained += gain
             time += cost
+            chain += slots
+            if n == narrow:
+                s, s_chain = s_wide, s_chain_wide
             if j >= longest:
                 longest, forwards = j + 1, costs.forwards(j + 1)
-            seconds = scale * target + time + forwards
+            seconds = scale * target + time + forwards + s * fixed_slots + s_chain * chain
             if gained / seconds > best_ratio:
                 best, best_seconds, best_ratio = n, seconds, gained / seconds
         lengths = [0] * len(candidates)
-        for _, _, i, _, _ in tokens[:best]:
+        for _, _, i, *_ in tokens[:best]:
             lengths[i] += 1
         verify_row = scale * (table[fixed_rows + best + 1] - table[fixed_rows + best])
+        per_slot = costs.slot_prices(fixed_rows + best + 1)[1]
         self.explore(candidates, stats, lengths, caps, [u + verify_row + per_slot * (c.context + 1)
                                                         for c, u in zip(candidates, catch_up)], best_seconds)
         return lengths

@@ -4,7 +4,8 @@ prompt-chunk row, and the drafter's c per draft token, d per sequence that draft
 draft's tokens), e per step that drafts beyond that, and a per sequence and r per token it catches up on.
 
 T is a table over row counts of one-slot rows, s the difference CALIBRATION_SLOTS-slot rows make and s_chain the
-difference the same rows make as chains of CHAIN_CALIBRATION_ROWS, all measured at start-up (`calibrate`: the best of
+difference the same rows make as chains of CHAIN_CALIBRATION_ROWS (at SLOT_CALIBRATION_ROWS rows, and again under the
+row count where forwards take more threads, for the steps there), all measured at start-up (`calibrate`: the best of
 CALIBRATION_ROUNDS interleaved rounds, T at every row count a draft at one sequence reaches and made non-decreasing on
 each side of the row count where forwards take more threads; it is no line over a few rows on a CPU: the weights' reads
 bound it, then the dot products, and SmolLM2's rows 2-6 cost 0.4 ms each where its 7th and 8th cost 5); T's table is
@@ -32,11 +33,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specserve.engine.running_fit import TIME_RATE, LinearFit, running_mean
 from specserve.runtime.device import FORWARD_THREADS
 
 logger = logging.getLogger(__name__)
 
-TIME_RATE = 0.2                 # how far one measured step moves the cost table
 # every row count a draft at one sequence can reach (1 + AUTO_MAX_DRAFT_TOKENS), then sparser: T is no line over a
 # few rows (on SmolLM2 at one thread 16.4 / 18.2 / 19.8 / 18.2 / 18.3 / 19.6 / 23.6 / 29.2 ms at 1-8 rows, the
 # weights' reads, then the CPU's dot products, bound it)
@@ -45,18 +46,6 @@ CALIBRATION_ROUNDS = 5
 CALIBRATION_SLOTS = 512         # the context of the rows that measure s
 SLOT_CALIBRATION_ROWS = 32     # enough rows that their slots' time stands out of the noise (at 8, s measured 0)
 CHAIN_CALIBRATION_ROWS = 4      # and as chains of this many rows a sequence, s_chain
-COLLINEAR = 1e-2                # a fitted term this near a combination of the terms before it is left out
-
-
-def warm_rate(count: int) -> float:
-    """How far the count-th observation moves a running estimate: the plain mean at first, then TIME_RATE."""
-    return max(TIME_RATE, 1 / count)
-
-
-def running_mean(mean: float, count: int, x: float) -> tuple[float, int]:
-    """A running estimate and its count of observations, after observing x (moved by warm_rate)."""
-    count += 1
-    return mean + warm_rate(count) * (x - mean), count
 
 
 @dataclass(slots=True)
@@ -68,6 +57,8 @@ class StepCosts:
     scale: float = 1.0                  # what measured steps make of it
     per_row_slot: float = 0.0           # s: a decode row's time per slot it attends (each sequence's first row)
     per_chain_row_slot: float = 0.0     # s_chain: the same for the rows after it, its draft's (the context is hot)
+    narrow_row_slot: float = 0.0        # s and s_chain in steps under wide_from rows, on fewer threads
+    narrow_chain_row_slot: float = 0.0
     per_prompt_row: float = 0.0
     num_prompt_samples: int = 0
     # the drafter's prices, from its fits (`refresh`)
@@ -102,8 +93,9 @@ class StepCosts:
             self.wide_from = wide_from
         slots, R, C = min(CALIBRATION_SLOTS, max_slots), SLOT_CALIBRATION_ROWS, CHAIN_CALIBRATION_ROWS
         chained = slots > C
-        points = [(int(r), 1, 1) for r in self.rows] + ([(R, slots, 1)] if slots > 1 else []) \
-            + ([(R, slots, C)] if chained else [])
+        narrow = (wide_from - 1) // C * C if wide_from and R >= wide_from else 0     # rows under it that measure s
+        points = [(int(r), 1, 1) for r in self.rows] + [(rows, slots, chain) for rows in (R, narrow) if rows
+                                                        and slots > 1 for chain in ((1, C) if chained else (1,))]
         # the best of CALIBRATION_ROUNDS rounds over every point in turn: a row's cost at one to four rows is a few
         # percent of the step, under what a busy host moves one measurement (best of 2 in a row, T(2) - T(1) came out
         # 0 to 1.6 ms from one start-up to the next, and a verify row looked up to three times its cost)
@@ -121,12 +113,32 @@ class StepCosts:
             f"{r:g} rows {t * 1e3:.1f} ms" for r, t in zip(self.rows, self.seconds)))
         if slots <= 1:
             return
-        one_slot = float(np.interp(R, self.rows, self.seconds))
-        self.per_row_slot = max(0.0, (best[n] - one_slot) / (R * (slots - 1)))
-        if chained:     # R / C sequences: first rows at s, the C - 1 after each at s_chain (T holds a slot a row at s)
-            first, after = chain_slots([(slots - C, C)] * (R // C))
-            extra = best[n + 1] - one_slot - self.per_row_slot * (first - R)
-            self.per_chain_row_slot = min(self.per_row_slot, max(0.0, extra / after))
+        measured = iter(best[n:])
+        self.per_row_slot, self.per_chain_row_slot = self.slot_prices_at(R, slots, next(measured), chained and
+                                                                         next(measured))
+        # under wide_from rows, on one thread of two, a slot cost SmolLM2 1.6-1.8 us against 1.0 at 32 rows on two,
+        # and a chain's 0.8-0.9 against 0.3: priced at 32 rows, a draft's verify rows at one sequence looked 0.2 ms
+        # (~1.5% of a step) cheaper each than they were
+        self.narrow_row_slot, self.narrow_chain_row_slot = self.slot_prices_at(
+            narrow, slots, next(measured), chained and next(measured)) if narrow else \
+            (self.per_row_slot, self.per_chain_row_slot)
+
+    def slot_prices_at(self, rows: int, slots: int, single: float, chained: float | bool) -> tuple[float, float]:
+        """s and s_chain from `rows` rows measured as single rows over `slots` slots each, and as chains of
+        CHAIN_CALIBRATION_ROWS (False: not measured, s_chain 0), against T at that many one-slot rows."""
+        one_slot, C = float(np.interp(rows, self.rows, self.seconds)), CHAIN_CALIBRATION_ROWS
+        s = max(0.0, (single - one_slot) / (rows * (slots - 1)))
+        if chained is False:
+            return s, 0.0
+        # rows / C sequences: first rows at s, the C - 1 after each at s_chain (T holds a slot a row at s)
+        first, after = chain_slots([(slots - C, C)] * (rows // C))
+        return s, min(s, max(0.0, (chained - one_slot - s * (first - rows)) / after))
+
+    def slot_prices(self, rows: int) -> tuple[float, float]:
+        """s and s_chain in a step of `rows` rows, on the threads its forward takes."""
+        if rows < self.wide_from:
+            return self.narrow_row_slot, self.narrow_chain_row_slot
+        return self.per_row_slot, self.per_chain_row_slot
 
     def target(self, rows: np.ndarray | int) -> np.ndarray | float:
         if isinstance(rows, int):
@@ -152,15 +164,17 @@ class StepCosts:
             self.table_of, self.table_ratio = self.seconds, self.wide_ratio
         return self.table
 
-    def attention(self, first_slots: float, chain_slots: float) -> float:
-        """The slots' time: first_slots attended by sequences' first decode rows, chain_slots by the rows after them."""
-        return self.per_row_slot * first_slots + self.per_chain_row_slot * chain_slots
+    def attention(self, rows: int, first_slots: float, chain_slots: float) -> float:
+        """The slots' time in a step of `rows` rows: first_slots attended by sequences' first decode rows,
+        chain_slots by the rows after them."""
+        s, s_chain = self.slot_prices(rows)
+        return s * first_slots + s_chain * chain_slots
 
     def observe_step(self, decode_rows: int, prompt_rows: int, seconds: float, decode_slots: int = 0,
                      chain_slots: int = 0) -> None:
         """A measured target forward and verify: a decode-only one corrects T, one with prompt rows P. decode_slots:
         the slots the sequences' first decode rows attend, chain_slots those the rows after them attend."""
-        attention = self.attention(decode_slots, chain_slots)
+        attention = self.attention(decode_rows + prompt_rows, decode_slots, chain_slots)
         if prompt_rows == 0:
             # less the attention s accounts for; an overestimated s cannot drive the table below half of it at once
             self.observe_target(decode_rows, max(seconds - attention, 0.5 * float(self.target(decode_rows))))
@@ -230,47 +244,6 @@ class StepCosts:
         return (tokens > 0) * self.per_catch_up_seq + self.per_catch_up_token * tokens
 
 
-@dataclass(slots=True)
-class LinearFit:
-    """seconds ~ coef . x with coef >= 0: least squares over the decayed moments [x x^T | x seconds] of the recent
-    observations, taking terms in order. A term the observations do not tell apart from the terms taken before it
-    keeps the price it was last fitted (0 before it ever was), and they take the rest of the time: a draft model at one
-    sequence that drafts one token a step cannot tell its call's overhead e from a draft step h, and left at 0, e's
-    1.9 ms went to h, which priced each draft token beyond the first at 2.9 ms, against the 0.7 ms that calls of
-    several lengths had fitted; so auto drafted one token where four were faster. A term that would drive a price below
-    0 (its own, or the others' as they take the rest) is left at 0. A term no recent observation had keeps its
-    coefficient."""
-    coef: np.ndarray
-    moments: np.ndarray
-    count: int = 0
-
-    @classmethod
-    def of(cls, num_terms: int) -> LinearFit:
-        return cls(np.zeros(num_terms), np.zeros((num_terms, num_terms + 1)))
-
-    def observe(self, x, seconds: float) -> None:
-        self.count += 1
-        rate = warm_rate(self.count)
-        x = np.asarray(x, dtype=float)
-        self.moments = (1 - rate) * self.moments + rate * np.outer(x, [*x, seconds])
-        moments = self.moments.tolist()        # a few terms: plain floats are quicker than numpy's calls on them
-        diag = [row[i] for i, row in enumerate(moments)]
-        seen = [i for i, x in enumerate(diag) if x > 1e-9 * max(diag)]
-        terms, fit, kept = [], [], []
-        for t in seen:      # in order, each term the ones kept do not (nearly) explain, if no price goes below 0
-            with_t = eliminate(moments, terms + [t])
-            if with_t is None and self.coef[t] > 0:    # they explain it: it keeps its price, if they take the rest
-                rest = [[*row[:-1], row[-1] - self.coef[t] * row[t]] for row in moments]
-                refit = eliminate(rest, terms)
-                if min(refit) >= 0:
-                    moments, fit, kept = rest, refit, kept + [t]
-            elif with_t is not None and min(with_t) >= 0:
-                terms, fit = terms + [t], with_t
-        self.coef[[t for t in seen if t not in kept]] = 0.0
-        if terms:
-            self.coef[terms] = fit
-
-
 def row_slots(start: int, rows: int) -> int:
     """Cache slots `rows` decode-shaped rows from slot `start` attend in all (row r reads start + r + 1)."""
     return rows * start + rows * (rows + 1) // 2
@@ -280,21 +253,3 @@ def chain_slots(chains: list[tuple[int, int]]) -> tuple[int, int]:
     """Over (start, rows) sequences: the slots their first rows (from slot `start`) attend, and the rows after them."""
     first = sum(start + 1 for start, _ in chains)
     return first, sum(row_slots(start, rows) for start, rows in chains) - first
-
-
-def eliminate(moments: list[list[float]], terms: list[int]) -> list[float] | None:
-    """The least-squares coefficients of `terms` from moments [x x^T | x y] (Gaussian elimination, in order), or None
-    where the last term is within COLLINEAR of a combination of the others (its pivot: what they leave of it)."""
-    n = len(terms)
-    rows = [[moments[i][j] for j in terms] + [moments[i][-1]] for i in terms]
-    for c in range(n):
-        pivot = rows[c][c]
-        if pivot <= (COLLINEAR * moments[terms[c]][terms[c]] if c == n - 1 else 0.0):
-            return None
-        for r in range(c + 1, n):
-            f = rows[r][c] / pivot
-            rows[r] = [a - f * b for a, b in zip(rows[r], rows[c])]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (rows[r][n] - sum(rows[r][k] * x[k] for k in range(r + 1, n))) / rows[r][r]
-    return x
