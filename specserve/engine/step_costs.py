@@ -114,21 +114,21 @@ class StepCosts:
         if slots <= 1:
             return
         measured = iter(best[n:])
-        self.per_row_slot, self.per_chain_row_slot = self.slot_prices_at(R, slots, next(measured), chained and
-                                                                         next(measured))
+        self.per_row_slot, self.per_chain_row_slot = self.slot_prices_at(R, slots, next(measured),
+                                                                         next(measured) if chained else None)
         # under wide_from rows, on one thread of two, a slot cost SmolLM2 1.6-1.8 us against 1.0 at 32 rows on two,
         # and a chain's 0.8-0.9 against 0.3: priced at 32 rows, a draft's verify rows at one sequence looked 0.2 ms
         # (~1.5% of a step) cheaper each than they were
         self.narrow_row_slot, self.narrow_chain_row_slot = self.slot_prices_at(
-            narrow, slots, next(measured), chained and next(measured)) if narrow else \
+            narrow, slots, next(measured), next(measured) if chained else None) if narrow else \
             (self.per_row_slot, self.per_chain_row_slot)
 
-    def slot_prices_at(self, rows: int, slots: int, single: float, chained: float | bool) -> tuple[float, float]:
+    def slot_prices_at(self, rows: int, slots: int, single: float, chained: float | None) -> tuple[float, float]:
         """s and s_chain from `rows` rows measured as single rows over `slots` slots each, and as chains of
-        CHAIN_CALIBRATION_ROWS (False: not measured, s_chain 0), against T at that many one-slot rows."""
+        CHAIN_CALIBRATION_ROWS (None: not measured, s_chain 0), against T at that many one-slot rows."""
         one_slot, C = float(np.interp(rows, self.rows, self.seconds)), CHAIN_CALIBRATION_ROWS
         s = max(0.0, (single - one_slot) / (rows * (slots - 1)))
-        if chained is False:
+        if chained is None:
             return s, 0.0
         # rows / C sequences: first rows at s, the C - 1 after each at s_chain (T holds a slot a row at s)
         first, after = chain_slots([(slots - C, C)] * (rows // C))
