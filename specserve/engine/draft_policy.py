@@ -182,8 +182,8 @@ class DraftPolicy:
         tokens.sort(key=itemgetter(0), reverse=True)        # stable: ties keep (i, j) order
         # the step's time and expected tokens with the first n of them, for every n: the best ratio wins (slots at
         # the price on the threads a forward of that many rows takes)
-        time, chain, narrow = 0.0, fixed_chain_slots, costs.wide_from - fixed_rows     # n from which it is wide
-        (s, s_chain), (s_wide, s_chain_wide) = costs.slot_prices(fixed_rows), costs.slot_prices(1 << 30)
+        time, chain, wide_at = 0.0, fixed_chain_slots, costs.wide_from - fixed_rows    # n from which it is wide
+        s, s_chain = costs.slot_prices(fixed_rows)
         best, best_seconds = 0, scale * table[fixed_rows] + s * fixed_slots + s_chain * chain
         best_ratio = num_fixed_tokens / best_seconds
         gained, longest, forwards = float(num_fixed_tokens), 0, 0.0
@@ -191,8 +191,8 @@ class DraftPolicy:
             gained += gain
             time += cost
             chain += slots
-            if n == narrow:
-                s, s_chain = s_wide, s_chain_wide
+            if n == wide_at:
+                s, s_chain = costs.per_row_slot, costs.per_chain_row_slot
             if j >= longest:
                 longest, forwards = j + 1, costs.forwards(j + 1)
             seconds = scale * target + time + forwards + s * fixed_slots + s_chain * chain
