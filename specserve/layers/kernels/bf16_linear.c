@@ -21,7 +21,10 @@
 #include <unistd.h>
 
 #define ROWS 8                  /* rows whose accumulators stay in registers while a tile's weights stream by */
-#define PREFETCH 1024           /* bytes ahead in the weights */
+#define PREFETCH 2048           /* bytes ahead in the weights, into L1; both lines of each 128 bytes a step takes */
+#define PREFETCH_L2 8192        /* and further ahead into L2 (30 layers of SmolLM2's linears at one thread, one row
+                                   14.2 -> 10.8 ms, six rows 17.8 -> 10.4: the six rows' products now hide under the
+                                   weights' reads; one line in two at 1024 before; benchmarks/NOTES.md, session 42) */
 #define AMX_PREFETCH 2048       /* the same for the AMX path: 3072x576 at one row 249 -> 199 us at 2 threads, ~18 GB/s
                                    (1 and 4 KB: 206 and 196 us; session 15) */
 #define M_BLOCK 256             /* rows of a prompt chunk whose inputs every tile passes before the next rows' */
@@ -42,7 +45,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
         even[r] = odd[r] = _mm512_setzero_ps();
     int p = 0;
     for (; p + 1 < P; p += 2) {
-        _mm_prefetch((const char *)(w + 32 * p) + PREFETCH, _MM_HINT_T0);
+        const char *ahead = (const char *)(w + 32 * p);
+        _mm_prefetch(ahead + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch(ahead + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + PREFETCH_L2, _MM_HINT_T1);
+        _mm_prefetch(ahead + PREFETCH_L2 + 64, _MM_HINT_T1);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * p), w1 = (__m512bh)_mm512_loadu_si512(w + 32 * p + 32);
         for (int r = 0; r < rows; r++) {
             const uint16_t *xr = x + (long)(m0 + r) * K + 2 * p;
