@@ -31,6 +31,9 @@
 #define ROWS 8                  /* rows whose accumulators stay in registers while a tile's weights stream by */
 #define PREFETCH 1024           /* bytes ahead in the weights (a quarter of that in the scales): measured 10-20%
                                    faster than the hardware's prefetch alone over a model's weights, 1 and 6 rows */
+#define PREFETCH_L2 8192        /* and further ahead into L2: 30 layers of SmolLM2's linears at one thread, int4 0.88x
+                                   the time at one row, 0.87x at three, int8 0.85x / 0.87x; compute-bound from six
+                                   rows, unchanged there (benchmarks/NOTES.md, session 42) */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -102,6 +105,7 @@ static inline __attribute__((always_inline)) void tile4(
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
         for (int b = 0; b < 4; b++) {               /* 4 steps of 8 inputs: 64 bytes each */
             _mm_prefetch((const char *)(w + 64 * (4 * g + b)) + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + 64 * (4 * g + b)) + PREFETCH_L2, _MM_HINT_T1);
             __m512i v = _mm512_loadu_si512(w + 64 * (4 * g + b));
             __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int r = 0; r < rows; r++) {
@@ -145,6 +149,7 @@ static inline __attribute__((always_inline)) void tile8(
         }
         for (int b = 0; b < 8; b++) {               /* 8 steps of 4 inputs: 64 bytes each */
             _mm_prefetch((const char *)(w + 64 * (8 * g + b)) + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + 64 * (8 * g + b)) + PREFETCH_L2, _MM_HINT_T1);
             __m512i v = _mm512_loadu_si512(w + 64 * (8 * g + b));
             for (int r = 0; r < rows; r++)
                 dot[r][b & 1] = _mm512_dpbusd_epi32(dot[r][b & 1], broadcast4(a + (long)(m0 + r) * K + 32 * g + 4 * b), v);
