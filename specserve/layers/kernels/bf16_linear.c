@@ -23,7 +23,7 @@
 #define ROWS 8                  /* rows whose accumulators stay in registers while a tile's weights stream by */
 #define PREFETCH 2048           /* bytes ahead in the weights, into L1; both lines of each 128 bytes a step takes */
 #define PREFETCH_L2 8192        /* and further ahead into L2 (30 layers of SmolLM2's linears at one thread, one row
-                                   14.2 -> 10.8 ms, six rows 17.8 -> 10.4: the six rows' products now hide under the
+                                   14.1 -> 10.2 ms, six rows 17.6 -> 10.1: the six rows' products now hide under the
                                    weights' reads; one line in two at 1024 before; benchmarks/NOTES.md, session 42) */
 #define AMX_PREFETCH 2048       /* the same for the AMX path: 3072x576 at one row 249 -> 199 us at 2 threads, ~18 GB/s
                                    (1 and 4 KB: 206 and 196 us; session 15) */
