@@ -104,9 +104,10 @@ static inline __attribute__((always_inline)) void tile4(
         for (int r = 0; r < rows; r++)
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
         for (int b = 0; b < 4; b++) {               /* 4 steps of 8 inputs: 64 bytes each */
-            _mm_prefetch((const char *)(w + 64 * (4 * g + b)) + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + 64 * (4 * g + b)) + PREFETCH_L2, _MM_HINT_T1);
-            __m512i v = _mm512_loadu_si512(w + 64 * (4 * g + b));
+            const char *at = (const char *)(w + 64 * (4 * g + b));
+            _mm_prefetch(at + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(at + PREFETCH_L2, _MM_HINT_T1);
+            __m512i v = _mm512_loadu_si512(at);
             __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int r = 0; r < rows; r++) {
                 const int8_t *ar = a + (long)(m0 + r) * K + 32 * g + 8 * b;
@@ -148,9 +149,10 @@ static inline __attribute__((always_inline)) void tile8(
             dot[r][1] = _mm512_setzero_si512();
         }
         for (int b = 0; b < 8; b++) {               /* 8 steps of 4 inputs: 64 bytes each */
-            _mm_prefetch((const char *)(w + 64 * (8 * g + b)) + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + 64 * (8 * g + b)) + PREFETCH_L2, _MM_HINT_T1);
-            __m512i v = _mm512_loadu_si512(w + 64 * (8 * g + b));
+            const char *at = (const char *)(w + 64 * (8 * g + b));
+            _mm_prefetch(at + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(at + PREFETCH_L2, _MM_HINT_T1);
+            __m512i v = _mm512_loadu_si512(at);
             for (int r = 0; r < rows; r++)
                 dot[r][b & 1] = _mm512_dpbusd_epi32(dot[r][b & 1], broadcast4(a + (long)(m0 + r) * K + 32 * g + 4 * b), v);
         }
