@@ -24,7 +24,7 @@ from specserve.engine.stop_checker import append_tokens
 from specserve.engine.verifier import Verified, verify_step
 from specserve.models.config import ModelConfig
 from specserve.models.registry import load_model
-from specserve.runtime.device import resolve_device, resolve_dtype, set_cpu_threads  # noqa: F401 (re-exported)
+from specserve.runtime.device import configure_cpu, resolve_device, resolve_dtype
 from specserve.runtime.model_runner import ForwardItem, ModelRunner, kv_cache_bytes_per_token
 from specserve.runtime.sequence import Sequence, SpecStats
 from specserve.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ class LLMEngine:
         self.model = ParallelTarget(config, self.model_config, self.device) if tp else \
             load_model(config.model, self.dtype, self.device, self.model_config)
         if self.device.type == "cpu":
-            set_cpu_threads(config.num_threads, self.model, config.reserved_cpu_cores)
+            configure_cpu(config.num_threads, self.model, config.reserved_cpu_cores)
         self.model.pack(self.device, self.dtype, config.quantization, config.compile)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

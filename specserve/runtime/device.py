@@ -1,6 +1,7 @@
-"""Where and in what dtype a model runs, and with how many CPU threads."""
+"""Where and in what dtype a model runs, with how many CPU threads, and how freed memory goes back."""
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -84,3 +85,30 @@ def set_cpu_threads(num_threads: int | None, model: torch.nn.Module, reserved_co
     torch.set_num_threads(num_threads)
     logger.info("CPU threads: %d%s", num_threads, f" ({FORWARD_THREADS.wide} for forwards of "
                 f"{WIDE_FORWARD_TOKENS} tokens or more)" if FORWARD_THREADS.narrow else "")
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # mallopt's parameters (glibc's malloc.h)
+MMAP_THRESHOLD = 32 << 20           # glibc's largest: blocks under it come from the heap and are reused from there
+TRIM_THRESHOLD = 1 << 30            # free memory a heap keeps before it gives some back to the kernel
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc (torch's CPU allocator) keep the memory a step frees for the next step, instead of giving
+    it back to the kernel and faulting every page of it in again. By default its thresholds move with what was freed
+    so far (the mmap threshold rises to the largest block freed, the trim threshold to twice that), so a process's
+    speed depended on the order of the work it had seen: the server's engine thread allocates from its own arena,
+    and a plain server that had served 8 concurrent 256-token prompts before 32 ran the 32 at 207-218 output tokens/s,
+    against 264-280 for one that met the 32 first (AMD EPYC Zen 5, SmolLM2; benchmarks/NOTES.md, session 44).
+    Fixed thresholds made the two alike. False where the C library has no mallopt or refuses the values."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+
+
+def configure_cpu(num_threads: int | None, model: torch.nn.Module, reserved_cores: int = 0) -> None:
+    """A CPU engine's process settings: its threads (set_cpu_threads) and its allocator (keep_freed_memory)."""
+    keep_freed_memory()
+    set_cpu_threads(num_threads, model, reserved_cores)
