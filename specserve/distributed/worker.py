@@ -12,7 +12,7 @@ from specserve.distributed.group import ParallelGroup, init_group, rank_device, 
 from specserve.distributed.plan import ShardPlan
 from specserve.distributed.shard import gather_logits, load_shard
 from specserve.models.config import ModelConfig
-from specserve.runtime.device import resolve_device, resolve_dtype
+from specserve.runtime.device import keep_freed_memory, resolve_device, resolve_dtype
 from specserve.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class Shard:
         self.dtype = resolve_dtype(config.dtype, self.config, group.device)
         self.plan = ShardPlan.of(self.config, group.world_size, group.rank)
         if group.device.type == "cpu":        # the cores are shared by the ranks of this machine
+            keep_freed_memory()
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // group.world_size))
         self.model = load_shard(config.model, self.config, self.plan, self.dtype, group.device, config.quantization)
         self.runner: ModelRunner | None = None
