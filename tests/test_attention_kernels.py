@@ -163,6 +163,34 @@ def test_attend_one_row_falls_back_to_torch_without_the_native_kernel(monkeypatc
 
 
 @native
+def test_a_drafters_runner_attends_decode_rows_natively_from_its_first_slot():
+    """A drafter's runner (no row_by_row) plans its decode-shaped rows for the native call too, each context from
+    its context_from (a run of blocks, and a paged one): rows close to float64 and to the masked batched call it
+    replaces (native=False, for a caller that edits the masks), the same cache written by both."""
+    q, kv = inputs(700, torch.bfloat16, 5)
+    tables, lengths, skips = [list(range(20)), [40, 41, 43, 42, 60, 61]], (300, 70), (1, 37)
+    fast, slow = (ModelRunner(None, 1, HKV, D, 160, BLOCK, torch.bfloat16) for _ in range(2))
+    assert fast.native_rows
+    for r in (fast, slow):
+        for table, n in zip(tables, lengths):
+            attend(r, [ForwardItem(table, 0, list(range(n)))], q[:n], kv[:n])
+    items = [ForwardItem(t, n, [0] * k, context_from=c) for t, n, k, c in zip(tables, lengths, (1, 3), skips)]
+    _, _, ctx = fast.prepare(items)
+    assert ctx.chains is not None and [int(s[3]) for s in ctx.chains.seqs] == [skips[0], -1]
+    rows_q, rows_kv = q[400:404], kv[400:404]
+    out = paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], ctx, 0)
+    _, _, batched = slow.prepare(items, native=False)
+    assert batched.chains is None
+    masked = paged_attention(rows_q, rows_kv[:, 0], rows_kv[:, 1], batched, 0)
+    assert torch.equal(fast.kv_cache, slow.kv_cache)
+    for row, (b, j) in enumerate([(0, 0), (1, 0), (1, 1), (1, 2)]):
+        full = torch.cat((kv[:lengths[b]], rows_kv[row - j:row + 1]))
+        ref = reference(rows_q[row], full, torch.arange(skips[b], lengths[b] + j + 1))
+        assert_close(out[row], ref, torch.bfloat16, lengths[b] + j + 1 - skips[b])
+        assert_close(masked[row], ref, torch.bfloat16, lengths[b] + j + 1 - skips[b])
+
+
+@native
 def test_a_forward_of_chains_attends_in_one_native_call_with_the_bits_of_row_by_row():
     """Decode and verify rows of a batch (one context a run of blocks, one paged, one fresh) go to the native
     call that writes and attends a whole layer's rows; its output and the cache it writes equal those of the

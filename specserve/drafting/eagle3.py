@@ -110,8 +110,10 @@ class Eagle3Proposer(Proposer):
                  earlier_nodes: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Head forward over the items' new slots; hidden [N, H] is what each new slot reads. earlier_nodes[b]
         [n, m]: which of the m slots just before item b's start (tree nodes fed at earlier levels) each sees."""
-        input_ids, positions, ctx = self.runner.prepare(items)
-        for call in ctx.calls if earlier_nodes else []:
+        # a chain's next node sees every slot before it (its ancestors): a decode row, for the native kernel
+        native = earlier_nodes is None or all(bool(seen.all()) for seen in earlier_nodes)
+        input_ids, positions, ctx = self.runner.prepare(items, native)
+        for call in ctx.calls if earlier_nodes and not native else []:
             for i, b in enumerate(call.items):
                 seen, start = earlier_nodes[b], items[b].start
                 call.attn_mask[i, 0, :seen.shape[0], start - seen.shape[1]:start] = seen.to(self.device)
@@ -288,7 +290,7 @@ class Eagle3Proposer(Proposer):
             start = seq.num_computed_tokens + 1 + len(tree.fed)     # after the root's slot and earlier nodes
             items.append(self._item(seq, tables[i], start, [tree.tokens[j] for j in nodes],
                                     [seq.num_computed_tokens - 1 + level] * len(nodes),
-                                    torch.eye(len(nodes), dtype=torch.bool)))
+                                    torch.eye(len(nodes), dtype=torch.bool) if len(nodes) > 1 else None))
             inputs.extend(tree.outputs[tree.parents[j]] if tree.parents[j] >= 0 else tree.root_output for j in nodes)
             seen.append(torch.tensor([[tree.is_ancestor(f, j) for f in tree.fed] for j in nodes], dtype=torch.bool))
         out = self._forward(items, torch.stack(inputs), seen)                                    # [n, H]

@@ -56,7 +56,9 @@ class ModelRunner:
             num_layers, 2, num_kv_heads, num_blocks * block_size, device=self.device).permute(0, 3, 1, 2)
         self._arange = np.arange(1 << 16)
         # built (once per machine) now, not inside a timed first step; it takes heads of a multiple of 32
-        self.native_rows = row_by_row and storage.device.type == "cpu" and storage.dtype in NATIVE_CACHE_DTYPES \
+        # a drafter's runner too: its decode-shaped rows (a catch-up over a few committed tokens, a chain's next draft
+        # token) in the native kernel, not a masked batched call (EAGLE3's head: 0.22-0.37 ms a forward at ~600 slots)
+        self.native_rows = storage.device.type == "cpu" and storage.dtype in NATIVE_CACHE_DTYPES \
             and attend_row_library() is not None and head_dim % 32 == 0
 
     def slots(self, block_table: list[int], begin: int, end: int) -> np.ndarray:
@@ -82,7 +84,8 @@ class ModelRunner:
         if self.kv_scales is not None:
             self.kv_scales[:, d] = self.kv_scales[:, s]
 
-    def prepare(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    def prepare(self, items: list[ForwardItem], native: bool = True) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """The forward's inputs and plan. native=False: no native plan, for a caller that edits the calls' masks."""
         ids, positions, slot_mapping, contexts = [], [], [], []
         lens = [len(it.token_ids) for it in items]
         firsts = np.cumsum([0] + lens[:-1])
@@ -112,24 +115,28 @@ class ModelRunner:
             calls=calls,
             row_by_row=row_by_row or None,
             write_start=int(slots[0]) if len(slots) == 1 or np.all(np.diff(slots) == 1) else None,
-            chains=self.native_chains(items, row_by_row, contexts) if self.native_rows and not long else None,
+            chains=self.native_chains(items, firsts, row_by_row, contexts) if self.native_rows and native and not long
+            else None,
         )
         return input_ids, positions_t, ctx
 
-    @staticmethod
-    def native_chains(items: list[ForwardItem], rows: list[RowByRow], contexts: list[np.ndarray]) -> NativeChains | None:
+    def native_chains(self, items: list[ForwardItem], firsts: np.ndarray, rows: list[RowByRow],
+                      contexts: list[np.ndarray]) -> NativeChains | None:
         """The native kernel's plan for a forward of decode and verify rows only (no tree: its rows see
-        scattered entries, which attend_row_by_row handles). Built on every step: plain lists, one array each."""
+        scattered entries, which attend_row_by_row handles). rows: the target's RowByRow plan (a drafter's runner
+        has none); a drafter's context starts at its context_from. Built on every step: plain lists, one array each."""
         seqs, paged, offset = [], [], 0
-        for it, r, context in zip(items, rows, contexts):
-            if it.tree_mask is not None:
+        for b, (it, context) in enumerate(zip(items, contexts)):
+            skip = it.context_from
+            if it.tree_mask is not None or skip > it.start:
                 return None
-            if r.run_start is None:
-                seqs += (r.first, len(it.token_ids), it.start, -1, offset)
-                paged.append(context)
-                offset += len(context)
+            run_start = rows[b].run_start if rows else self.contiguous_start(it.block_table, len(context))
+            if run_start is None:
+                seqs += (int(firsts[b]), len(it.token_ids), it.start - skip, -1, offset)
+                paged.append(context[skip:])
+                offset += len(context) - skip
             else:
-                seqs += (r.first, len(it.token_ids), it.start, r.run_start, 0)
+                seqs += (int(firsts[b]), len(it.token_ids), it.start - skip, run_start + skip, 0)
         return NativeChains(np.array(seqs, dtype=np.int64).reshape(-1, 5),
                             np.concatenate(paged) if paged else NO_SLOTS, torch.get_num_threads())
 
