@@ -1,5 +1,4 @@
 """The plain engine against transformers on random tiny Qwen3 and Llama checkpoints."""
-import os
 import pytest
 import torch
 import transformers
@@ -250,35 +249,6 @@ def test_a_cpu_engine_keeps_freed_memory(monkeypatch):
     monkeypatch.setattr(device, "keep_freed_memory", lambda: calls.append(1) or True)
     LLM(str(demo_model_dir()), speculative_method="none")
     assert calls == [1]
-
-
-HUGE_PAGES_SCRIPT = """
-import specserve, torch
-weights = torch.empty(64 << 20, dtype=torch.uint8)      # a buffer of the size of a model's weights
-address, flags = weights.data_ptr(), None
-for line in open("/proc/self/smaps"):
-    if "-" in line.split()[0] and ":" not in line.split()[0]:
-        start, end = (int(x, 16) for x in line.split()[0].split("-"))
-        inside = start <= address < end
-    elif line.startswith("VmFlags:") and inside:
-        flags = line.split()[1:]
-print("hg" in flags)
-"""
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only: reads /proc/self/smaps")
-def test_importing_specserve_backs_large_buffers_with_huge_pages():
-    """specserve sets THP_MEM_ALLOC_ENABLE before any CPU allocation, so torch advises huge pages (MADV_HUGEPAGE: the
-    mapping's "hg" flag) for a weight-sized buffer; a user's explicit THP_MEM_ALLOC_ENABLE=0 is kept."""
-    import subprocess
-    import sys
-    def advised(**env):
-        environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env
-        out = subprocess.run([sys.executable, "-c", HUGE_PAGES_SCRIPT], capture_output=True, text=True, check=True,
-                             env=environ)
-        return out.stdout.split()[-1]
-    assert advised() == "True"
-    assert advised(THP_MEM_ALLOC_ENABLE="0") == "False"
 
 
 def test_the_server_runs_wide_forwards_on_every_core(monkeypatch):
