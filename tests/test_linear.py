@@ -2,6 +2,8 @@
 and transformers."""
 import json
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -347,3 +349,36 @@ def test_drafters_take_the_targets_quantization_and_speculation_stays_exact(meth
     lins = [m for module in owned for m in module.modules() if isinstance(m, InferenceLinear)]
     assert lins and all(m.choice[0] in ("w4a8", "int4", "w8a8", "int8") for m in lins)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's flags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif head == "VmFlags:" and inside:
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not native_bf16_kernels(None) or not os.path.exists("/proc/self/smaps"),
+                    reason="no native bf16 kernel on this CPU, or not Linux")
+def test_native_bf16_weights_move_into_one_huge_page_buffer_with_the_same_products():
+    """share_huge_pages: every packed weight in one buffer, 2 MiB-aligned and advised for huge pages (the "hg" flag)
+    before its first touch; each kernel's pointers follow its weight, and its products keep their bits."""
+    from specserve.layers.native_bf16 import HUGE_PAGE, BF16Linear, share_huge_pages
+    gen = torch.Generator().manual_seed(0)
+    kernels = [BF16Linear(torch.randn(*shape, generator=gen), None, amx=False) for shape in [(64, 32), (40, 32), (16, 64)]]
+    rows = [torch.randn(3, k.in_features, generator=gen).to(torch.bfloat16) for k in kernels]
+    before = [k(x) for k, x in zip(kernels, rows)]
+    old = [k.packed.data_ptr() for k in kernels]
+    buffer = share_huge_pages(kernels)
+    assert buffer is not None
+    assert kernels[0].packed.data_ptr() % HUGE_PAGE == 0 and "hg" in vm_flags(kernels[0].packed.data_ptr())
+    for k, x, y, was in zip(kernels, rows, before, old):
+        assert buffer.data_ptr() <= k.packed.data_ptr() < buffer.data_ptr() + buffer.numel() and k.packed.data_ptr() != was
+        assert k.pointers[0] == k.packed.data_ptr()
+        assert torch.equal(k(x), y)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.layers.kernel_cache import kernel_cache_path, load_cache, machine_key, save_cache
-from specserve.layers.native_bf16 import AMX, BF16Linear, native_bf16_kernels, sum_order
+from specserve.layers.native_bf16 import AMX, BF16Linear, native_bf16_kernels, share_huge_pages, sum_order
 from specserve.layers.quantization import (HEAD_QUANTIZATION, INT4_GROUP, A8Linear, can_quantize_int4, int4_linear,
                                            int8_linear, native_kernel, quantize_int4, quantize_int8)
 
@@ -259,4 +259,6 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype,
         if part:
             for (owner, name, _), lin in zip(part, inference_linears([pair for *_, pair in part], device, dtype, q)):
                 setattr(owner, name, lin)
+    share_huge_pages(list({id(k): k for m in module.modules() if isinstance(m, InferenceLinear)
+                           for k in m.by_bucket if isinstance(k, BF16Linear)}.values()))
     return module
