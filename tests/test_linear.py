@@ -1,7 +1,6 @@
 """Inference-prepared models (kernels chosen per shape and row bucket, frozen layer weights) against F.linear
 and transformers."""
 import json
-
 import os
 
 import pytest
