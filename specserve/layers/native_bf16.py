@@ -73,7 +73,7 @@ def share_huge_pages(kernels: list[BF16Linear]) -> torch.Tensor | None:
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     sizes = [-(-k.packed.nbytes // 64) * 64 for k in kernels]          # each weight 64-byte aligned
     length = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE
-    buffer = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)       # untouched: a fresh mapping of its own
+    buffer = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)       # a model's: its own mapping, untouched yet
     start = -buffer.data_ptr() % HUGE_PAGE
     if madvise(buffer.data_ptr() + start, length, MADV_HUGEPAGE) != 0:
         return None
