@@ -12,7 +12,7 @@ from torch import nn
 from specserve.runtime.model_runner import ForwardItem, ModelRunner
 from specserve.layers import linear
 from specserve.layers.linear import InferenceLinear, inference_linears, make_kernel, pack_linears
-from specserve.layers.native_bf16 import AMX, AVX512, native_bf16_kernels
+from specserve.layers.native_bf16 import AMX, AVX512, HUGE_PAGE, BF16Linear, native_bf16_kernels, share_huge_pages
 from specserve.layers.quantization import HEAD_QUANTIZATION, dequantize_int8, quantize_int8
 from specserve.llm import LLM
 from specserve.models.llama import rms_norm, rms_norm_fused
@@ -368,7 +368,6 @@ def vm_flags(address: int) -> list[str]:
 def test_native_bf16_weights_move_into_one_huge_page_buffer_with_the_same_products():
     """share_huge_pages: every packed weight in one buffer, 2 MiB-aligned and advised for huge pages (the "hg" flag)
     before its first touch; each kernel's pointers follow its weight, and its products keep their bits."""
-    from specserve.layers.native_bf16 import HUGE_PAGE, BF16Linear, share_huge_pages
     gen = torch.Generator().manual_seed(0)
     kernels = [BF16Linear(torch.randn(*shape, generator=gen), None, amx=False) for shape in [(64, 32), (40, 32), (16, 64)]]
     rows = [torch.randn(3, k.in_features, generator=gen).to(torch.bfloat16) for k in kernels]
