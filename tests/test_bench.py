@@ -1,6 +1,7 @@
 """specserve.bench: figures from synthetic timings, prompt builders, SSE parsing, and the CLI against a fake server."""
 import asyncio
 import json
+import math
 import re
 import socket
 import statistics
@@ -20,7 +21,9 @@ from specserve.bench.metrics import (calculate_metrics, format_result, peak_conc
                                      spec_decode_stats)
 from specserve.bench.cli import build_parser
 from specserve.bench.serve import BenchResult, arrival_times, run_serve
-from specserve.bench.sweep import (SweepPoint, acceptance_length, add_speedups, auto_against_fixed, format_table,
+from specserve.bench.auto_table import (Comparison, auto_against_fixed, paired_interval, round_noise, t_quantile,
+                                        undecided)
+from specserve.bench.sweep import (SweepPoint, Target, acceptance_length, add_speedups, format_table, measure_block,
                                    run_sweep, tokens_per_target_step, write_results)
 from specserve.bench.plots import concurrency_lines, plot_concurrency
 from specserve.bench.tune import pick_num_assistant_tokens, write_generation_config
@@ -321,15 +324,15 @@ def test_auto_table_pairs_each_round_with_the_best_setting_of_the_same_round():
               measured("b", "auto", [59.0, 35.0, 57.0])]
     row = next(line for line in auto_against_fixed(points).splitlines() if line.startswith("| b | 2 |"))
     # medians 57/60; rounds 59/60, 35/36, 57/62; rounds that move by a third leave 0.95 within the noise
-    assert row.endswith("| 2 (60.0) | 57.0 | 0.00 | 0.95x | 0.97x | within noise |")
+    # geometric mean of the rounds' ratios 0.958; Student's t with 2 degrees of freedom for each one-sided 95% end
+    assert row.endswith("| 2 (60.0) | 57.0 | 0.00 | 0.95x | 0.96x (0.90-1.02) | within noise | 0.96x (0.90-1.02) | 3 |")
     single = [replace(p, runs=p.runs[:1]) for p in points]
-    assert auto_against_fixed(single).splitlines()[-1].endswith("| - | below |")
+    assert auto_against_fixed(single).splitlines()[-1].endswith("| - | below | - | 1 |")
 
 
 def test_a_ratio_under_the_goal_is_below_it_only_beyond_the_machines_noise():
     """The auto table's last column: met at 0.97x; under it, "below" only where the ratio's 95% interval, from the
     round-to-round noise pooled over every setting, does not reach 0.97."""
-    from specserve.bench.sweep import round_noise
     def rows(spread, auto):
         def measured(method, k, tok_s):
             return replace(point(method, k, tok_s), block="b", concurrency=1,
@@ -337,9 +340,77 @@ def test_a_ratio_under_the_goal_is_below_it_only_beyond_the_machines_noise():
         points = [measured("none", 0, 100.0), measured("b", 2, 90.0), measured("b", "auto", auto)]
         return round_noise(points), auto_against_fixed(points).splitlines()[2]
     sigma, row = rows(0.01, 90.0)
-    assert sigma == pytest.approx(0.01, rel=0.01) and row.endswith("| 0.90x | 0.90x | below |")
-    assert rows(0.2, 90.0)[1].endswith("| within noise |") and rows(0.01, 97.5)[1].endswith("| met |")
+    assert sigma == pytest.approx(0.01, rel=0.01) and row.endswith("| 0.90x | 0.90x (0.90-0.90) | below | 1.00x (1.00-1.00) | 3 |")
+    assert "| within noise |" in rows(0.2, 90.0)[1] and "| met |" in rows(0.01, 97.5)[1]
     assert "varies by 1.0%" in auto_against_fixed([replace(point("none", 0, 1.0), runs=[0.99, 1.0, 1.01])])
+
+
+def test_t_quantile_matches_scipy():
+    from scipy.stats import t
+    for df in (1, 2, 3, 4, 5, 7, 10, 20, 50):
+        for p in (0.9, 0.95, 0.975):
+            assert t_quantile(p, df) == pytest.approx(t.ppf(p, df), rel=0.003)
+
+
+def test_the_goal_is_undecided_only_while_an_interval_reaches_across_it():
+    def measured(k, runs, concurrency=2):
+        return replace(point("m" if k else "none", k, statistics.median(runs)), block="m", concurrency=concurrency,
+                       runs=runs)
+    plain = measured(0, [100.0, 100.0, 100.0, 100.0])
+    assert paired_interval([97.0, 103.0], [100.0, 100.0])[0] == pytest.approx(math.sqrt(0.97 * 1.03))
+    assert paired_interval([97.0], [100.0]) is None
+    # auto 0.97-1.03x of plain round by round: its interval reaches across 0.97, so more rounds are worth it
+    assert undecided(Comparison(measured("auto", [97.0, 103.0, 97.0, 103.0]), plain, None))
+    # steady at 1.00x or at 0.90x: decided either way
+    assert not undecided(Comparison(measured("auto", [100.0, 100.5, 99.5, 100.0]), plain, None))
+    assert not undecided(Comparison(measured("auto", [90.0, 90.5, 89.5, 90.0]), plain, None))
+    # at one sequence, against the best fixed k as well: 0.99-1.01x of it round by round is within TIE; 0.975-1.025x
+    # over six rounds is clear of 0.97 (the goal at every concurrency) but not within TIE of 1
+    best, swings = measured(2, [120.0] * 6, concurrency=1), [117.0, 123.0] * 3
+    plain_1 = replace(plain, concurrency=1, runs=[100.0] * 6)
+    assert not undecided(Comparison(measured("auto", [118.8, 121.2] * 3, 1), plain_1, best))
+    assert undecided(Comparison(measured("auto", swings, 1), plain_1, best))
+    assert not undecided(Comparison(measured("auto", swings, 2), replace(plain_1, concurrency=2),
+                                    replace(best, concurrency=2)))
+
+
+def test_sweep_runs_more_rounds_only_where_auto_is_undecided(monkeypatch, capsys):
+    """After --repeats rounds at a concurrency the block goes on, all settings interleaved as before, while auto's
+    interval there reaches across the goal, and stops at --max-repeats."""
+    import argparse
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+    import specserve.bench.sweep as sweep
+
+    @dataclass
+    class Config:
+        extra_body: dict | None = None
+        max_concurrency: int | None = None
+
+    async def prepare(args, base_url):
+        return Config(), ["prompt"] * 4, WordTokenizer()
+    calls = {}
+
+    async def benchmark(cfg, samples, count):
+        key = (cfg.extra_body["num_assistant_tokens"], cfg.max_concurrency)
+        calls[key] = calls.get(key, 0) + 1
+        return SimpleNamespace(outputs=[], key=key, round=calls[key])
+
+    def point_of(method, k, result, concurrency):
+        # at one sequence auto runs 1.3x plain, steadily; at two it swings 0.94-1.00x of plain round by round
+        swing = 1.0 if result.round % 2 else 0.94
+        tok_s = {0: 100.0, 2: 110.0 if concurrency == 1 else 90.0,
+                 "auto": 130.0 if concurrency == 1 else 100.0 * swing}[k]
+        return SweepPoint(method, k, None, 1.0, tok_s, 10.0, 4, 0, concurrency, mean_ttft_ms=5.0)
+    monkeypatch.setattr(sweep, "prepare", prepare)
+    monkeypatch.setattr(sweep, "benchmark", benchmark)
+    monkeypatch.setattr(sweep, "point_of", point_of)
+    args = argparse.Namespace(concurrency=[1, 2], repeats=2, max_repeats=5, num_prompts=4, prompts_per_concurrency=None)
+    points = asyncio.run(measure_block(args, [Target("m", "url", [0, 2, "auto"])], "m"))
+    assert calls == {(k, 1): 2 for k in (0, 2, "auto")} | {(k, 2): 5 for k in (0, 2, "auto")}
+    assert [len(p.runs) for p in points] == [2, 2, 2, 5, 5, 5]
+    out = capsys.readouterr().out
+    assert "concurrency=2 round 3 of at most 5 (goal undecided)" in out and "concurrency=1 round 3" not in out
 
 
 def test_sweep_table_and_files(tmp_path):
@@ -388,6 +459,7 @@ def parse(argv: list[str]):
     (["bench", "sweep", "--methods", "ngram,magic"], "argument --methods: unknown method(s) magic"),
     (["bench", "sweep", "--methods", "ngram", "--model", "no/such/dir"], "--model must be a local model directory"),
     (["bench", "sweep", "--num-assistant-tokens", "1,x"], "argument --num-assistant-tokens"),
+    (["bench", "sweep", "--repeats", "4", "--max-repeats", "3"], "--max-repeats 3 is under --repeats 4"),
     (["tune", "--tolerance", "2"], "argument --tolerance"),
 ])
 def test_bad_flags_name_the_flag(argv, message, capsys):

@@ -154,6 +154,10 @@ def add_sweep_args(p: argparse.ArgumentParser, default_ks: str) -> None:
     g.add_argument("--label", help="name of the running server's method in the table (default: server)")
     g.add_argument("--repeats", type=positive_int, default=1,
                    help="measure every setting this many times, in interleaved rounds, and keep the median")
+    g.add_argument("--max-repeats", type=positive_int, metavar="N",
+                   help="with \"auto\" among the settings: after --repeats rounds at a concurrency, go on with more, "
+                        "up to N, while an interval of auto's against the best fixed setting there still reaches "
+                        "across the goal (0.97x; at concurrency 1, 1x)")
     g.add_argument("--keep-server-caches", action="store_true",
                    help="launched servers keep prefix caching and the n-gram cache (default: off, since every "
                         "setting sends the same prompts)")
@@ -168,6 +172,8 @@ def check_args(args: argparse.Namespace, error: Callable[[str], None]) -> None:
         error("--dataset-path is required with --dataset-name jsonl")
     if args.dataset_path and not Path(args.dataset_path).is_file():
         error(f"--dataset-path {args.dataset_path}: no such file")
+    if getattr(args, "max_repeats", None) and args.max_repeats < args.repeats:
+        error(f"--max-repeats {args.max_repeats} is under --repeats {args.repeats}")
     if args.tokenizer and not Path(args.tokenizer).is_dir():
         error(f"--tokenizer {args.tokenizer}: not a directory")
 

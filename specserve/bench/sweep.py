@@ -4,13 +4,13 @@ import argparse
 import asyncio
 import csv
 import json
-import math
 import shlex
 import statistics
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from specserve.bench.auto_table import auto_against_fixed, baseline_of, comparisons, undecided
 from specserve.bench.launch import ServerStartError, launched_server
 from specserve.bench.plots import plot
 from specserve.bench.serve import BenchResult, base_url_of, benchmark, prepare, print_failures
@@ -91,8 +91,11 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
     """Every (server, k) setting of `targets` at each concurrency, --repeats times in interleaved rounds, so that a
     change in the machine's load falls on every setting alike: rounds go in mirrored pairs, each pair starting one
     setting later (A B C, C B A, then B C A, A C B, ...), and a pair cancels a steady drift exactly (A B B A).
-    Each point keeps the median of its rounds' throughputs; its other figures come from the round nearest it."""
+    Each point keeps the median of its rounds' throughputs; its other figures come from the round nearest it. After
+    --repeats rounds at a concurrency, rounds go on while the goal for "auto" is undecided there (auto_table.undecided),
+    up to --max-repeats: where a cell's interval is already clear of the goal, no more time goes to it."""
     concurrencies, repeats = concurrencies_of(args), getattr(args, "repeats", 1) or 1
+    most_rounds = max(repeats, getattr(args, "max_repeats", None) or 0)
     most = argparse.Namespace(**{**vars(args), "num_prompts": max(num_prompts_at(args, c) for c in concurrencies)})
     prepared = [await prepare(most, t.base_url) for t in targets]
     settings = [(t, cfg, samples, tokenizer, k) for t, (cfg, samples, tokenizer) in zip(targets, prepared)
@@ -100,7 +103,9 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
     points, order = [], list(range(len(settings)))
     for c in concurrencies:
         rounds: dict[int, list[SweepPoint]] = {i: [] for i in order}
-        for r in range(repeats):
+        r = 0
+        while r < repeats or r < most_rounds and any(
+                undecided(x) for x in comparisons([median_point(rounds[i], block) for i in order])):
             for i in round_order(order, r):
                 target, cfg, samples, tokenizer, k = settings[i]
                 body = {**(cfg.extra_body or {}), "num_assistant_tokens": k}
@@ -110,9 +115,12 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
                 print_failures(result.outputs)
                 rounds[i].append(point := point_of(target.method, k, result, c))
                 print(f"{target.method} num_assistant_tokens={k} concurrency={c}"
-                      f"{f' round {r + 1}/{repeats}' if repeats > 1 else ''}: {point.output_throughput:.2f} tok/s, "
+                      f"{f' round {r + 1}/{repeats}' if 1 < most_rounds and r < repeats else ''}"
+                      f"{f' round {r + 1} of at most {most_rounds} (goal undecided)' if r >= repeats else ''}: "
+                      f"{point.output_throughput:.2f} tok/s, "
                       f"{point.tokens_per_step:.2f} tokens/step, TTFT {point.mean_ttft_ms:.1f} ms, "
                       f"TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
+            r += 1
         points += [median_point(rounds[i], block) for i in order]
     return points
 
@@ -176,81 +184,11 @@ def sweep_points(args: argparse.Namespace, methods: list[str] | None, ks: list[i
         return points
 
 
-def baseline_of(p: SweepPoint, points: list[SweepPoint]) -> SweepPoint | None:
-    """The k=0 point at p's concurrency, from p's own block (measured interleaved with it) where there is one."""
-    same = [b for b in points if b.num_assistant_tokens == 0 and b.concurrency == p.concurrency]
-    return next((b for b in same if b.block == p.block), same[0] if same else None)
-
-
 def add_speedups(points: list[SweepPoint]) -> None:
     for p in points:
         baseline = baseline_of(p, points)
         if baseline is not None and baseline.output_throughput > 0:
             p.speedup = p.output_throughput / baseline.output_throughput
-
-
-GOAL = 0.97     # issue 17: auto >= 0.97 x max(plain, best fixed k) at every concurrency
-
-
-def auto_against_fixed(points: list[SweepPoint]) -> str:
-    """Per method and concurrency: "auto" against the best of plain decoding and every fixed k measured (the
-    goal: auto >= GOAL x that everywhere), as a markdown table: the ratio of the medians, and with --repeats the
-    median of the rounds' ratios against that same best setting (each round runs the settings back to back, so a
-    slow minute of the machine falls on both sides of a round's ratio but on one side of the medians'), and whether
-    a ratio under the goal is more than the machine's noise (`verdict`)."""
-    sigma = round_noise(points)
-    lines = ["| method | concurrency | plain tok/s | best fixed k (tok/s) | auto tok/s | auto mean k | "
-             f"auto / max(plain, best k) | paired rounds | {GOAL}x? |", "|---|---|---|---|---|---|---|---|---|"]
-    for auto in (p for p in points if p.num_assistant_tokens == "auto"):
-        same = [p for p in points if p.concurrency == auto.concurrency]
-        plain = baseline_of(auto, points)
-        fixed = [p for p in same if p.method == auto.method and isinstance(p.num_assistant_tokens, int)
-                 and p.num_assistant_tokens > 0]
-        best = max(fixed, key=lambda p: p.output_throughput, default=None)
-        reference = max((q for q in (plain, best) if q is not None), key=lambda q: q.output_throughput, default=None)
-        ratio = auto.output_throughput / reference.output_throughput if reference and reference.output_throughput \
-            else None
-        lines.append(f"| {auto.method} | {auto.concurrency} | {plain.output_throughput if plain else float('nan'):.1f} "
-                     f"| {best.num_assistant_tokens if best else '-'} ({best.output_throughput if best else 0:.1f}) "
-                     f"| {auto.output_throughput:.1f} | {auto.mean_draft_length or 0:.2f} "
-                     f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {paired_ratio(auto, reference)} "
-                     f"| {verdict(ratio, auto, reference, sigma)} |")
-    if sigma is not None:
-        lines.append(f"\nOne round's throughput varies by {sigma:.1%} (s.d. of its log about its setting's mean, pooled "
-                     "over every setting): \"within noise\" is a ratio under the goal whose 95% interval reaches it.")
-    return "\n".join(lines)
-
-
-def round_noise(points: list[SweepPoint]) -> float | None:
-    """The s.d. of one round's log throughput about its setting's mean, pooled over every setting with rounds."""
-    squares, dof = 0.0, 0
-    for p in points:
-        logs = [math.log(x) for x in p.runs or [] if x > 0]
-        if len(logs) > 1:
-            mean = statistics.fmean(logs)
-            squares, dof = squares + sum((x - mean) ** 2 for x in logs), dof + len(logs) - 1
-    return math.sqrt(squares / dof) if dof else None
-
-
-def verdict(ratio: float | None, auto: SweepPoint, reference: SweepPoint | None, sigma: float | None) -> str:
-    """"met"; "below" where the ratio's 95% interval (its two sides' rounds, each `sigma`) stays under GOAL; else
-    "within noise". The reference is the best of several noisy settings, so a true 1.00 reads low more often."""
-    if ratio is None:
-        return "-"
-    if ratio >= GOAL:
-        return "met"
-    if sigma is None or not auto.runs or not reference.runs:
-        return "below"
-    upper = ratio * math.exp(1.96 * sigma * math.sqrt(1 / len(auto.runs) + 1 / len(reference.runs)))
-    return "within noise" if upper >= GOAL else "below"
-
-
-def paired_ratio(p: SweepPoint, reference: SweepPoint | None) -> str:
-    """The median over rounds of p's throughput over the reference's in the same round ("-" with one round)."""
-    if reference is None or not p.runs or not reference.runs or len(p.runs) != len(reference.runs) \
-            or len(p.runs) < 2 or min(reference.runs) <= 0:
-        return "-"
-    return f"{statistics.median(a / b for a, b in zip(p.runs, reference.runs)):.2f}x"
 
 
 def format_table(points: list[SweepPoint]) -> str:
