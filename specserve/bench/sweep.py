@@ -114,9 +114,9 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
                                          lambda text, tok=tokenizer: len(tok.encode(text, add_special_tokens=False)))
                 print_failures(result.outputs)
                 rounds[i].append(point := point_of(target.method, k, result, c))
-                print(f"{target.method} num_assistant_tokens={k} concurrency={c}"
-                      f"{f' round {r + 1}/{repeats}' if 1 < most_rounds and r < repeats else ''}"
-                      f"{f' round {r + 1} of at most {most_rounds} (goal undecided)' if r >= repeats else ''}: "
+                label = (f" round {r + 1} of at most {most_rounds} (goal undecided)" if r >= repeats
+                         else f" round {r + 1}/{repeats}" if most_rounds > 1 else "")
+                print(f"{target.method} num_assistant_tokens={k} concurrency={c}{label}: "
                       f"{point.output_throughput:.2f} tok/s, "
                       f"{point.tokens_per_step:.2f} tokens/step, TTFT {point.mean_ttft_ms:.1f} ms, "
                       f"TPOT {point.mean_tpot_ms:.2f} ms", flush=True)
