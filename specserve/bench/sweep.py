@@ -106,6 +106,8 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
         r = 0
         while r < repeats or r < most_rounds and any(
                 undecided(x) for x in comparisons([median_point(rounds[i], block) for i in order])):
+            label = (f" round {r + 1} of at most {most_rounds} (goal undecided)" if r >= repeats
+                     else f" round {r + 1}/{repeats}" if most_rounds > 1 else "")
             for i in round_order(order, r):
                 target, cfg, samples, tokenizer, k = settings[i]
                 body = {**(cfg.extra_body or {}), "num_assistant_tokens": k}
@@ -114,8 +116,6 @@ async def measure_block(args: argparse.Namespace, targets: list[Target], block: 
                                          lambda text, tok=tokenizer: len(tok.encode(text, add_special_tokens=False)))
                 print_failures(result.outputs)
                 rounds[i].append(point := point_of(target.method, k, result, c))
-                label = (f" round {r + 1} of at most {most_rounds} (goal undecided)" if r >= repeats
-                         else f" round {r + 1}/{repeats}" if most_rounds > 1 else "")
                 print(f"{target.method} num_assistant_tokens={k} concurrency={c}{label}: "
                       f"{point.output_throughput:.2f} tok/s, "
                       f"{point.tokens_per_step:.2f} tokens/step, TTFT {point.mean_ttft_ms:.1f} ms, "
