@@ -470,19 +470,20 @@ def test_calibration_measures_every_row_count_a_draft_at_one_sequence_reaches():
 
 def test_a_chains_cheap_rows_buy_longer_drafts():
     """At one sequence of 550 slots a k=4 verify's rows after the first cost ~0.5 of a separate row's per slot
-    (SmolLM2 at one thread): priced as separate rows they would hold a 0.6-acceptance draft shorter."""
+    (SmolLM2 at one thread): priced as separate rows they would hold a 0.6-acceptance draft shorter (at 2.4 us a
+    slot, where that one row tips the choice)."""
     kernel = lambda rows: 0.016 + 0.0004 * rows
-    dear, cheap = (policy_with(kernel, {1: 0.6}, per_row_slot=1.6e-6, per_chain_row_slot=rate) for rate in (1.6e-6, 0.4e-6))
+    dear, cheap = (policy_with(kernel, {1: 0.6}, per_row_slot=2.4e-6, per_chain_row_slot=rate) for rate in (2.4e-6, 1.2e-6))
     for p in (dear, cheap):
         p.costs.per_draft_token = 0.001
     lengths = [p.choose([Candidate(1, 8, context=550)], fixed_rows=1, num_fixed_tokens=1, fixed_slots=550)[0]
                for p in (dear, cheap)]
     assert lengths[0] < lengths[1]
     # a measured step less its attention at each rate leaves T as it was
-    for p, rate in ((dear, 1.6e-6), (cheap, 0.4e-6)):
+    for p, rate in ((dear, 2.4e-6), (cheap, 1.2e-6)):
         before = float(p.costs.target(5))
         chain_slots = sum(550 + j for j in range(1, 5))
-        p.costs.observe_step(5, 0, before + 1.6e-6 * 550 + rate * chain_slots, 550, chain_slots)
+        p.costs.observe_step(5, 0, before + 2.4e-6 * 550 + rate * chain_slots, 550, chain_slots)
         assert float(p.costs.target(5)) == pytest.approx(before)
 
 
@@ -635,3 +636,40 @@ def test_ngram_reserves_only_what_its_lookup_drafts(k, plain_ids):
     assert sum(o.spec["num_draft_tokens"] for o in outs) == sum(lengths) > 0
     if k == 6:
         assert 0 in lengths and 6 in lengths           # the lookup found nothing at some steps, all six at others
+
+
+def bernoulli_drafts(policy: DraftPolicy, rates: dict[int, float], drafts: int, seed: int = 0) -> None:
+    """Interleaved one-token drafts for each sequence, accepted at its rate."""
+    rng = np.random.default_rng(seed)
+    for _ in range(drafts):
+        for seq_id, rate in rates.items():
+            policy.observe(seq_id, 1, int(rng.random() < rate))
+
+
+def test_a_record_that_predicts_nothing_is_shrunk_to_the_methods_rate():
+    """Sequences alike (every draft accepted at 0.3 whatever came before): a run of rejections is noise, and a
+    sequence's first-token estimate stays near the method's rate where the weight W = 4 took it near the break-even."""
+    policy = policy_with(lambda rows: 0.013 + 0.0004 * rows, {})
+    bernoulli_drafts(policy, {i: 0.3 for i in range(8)}, 60)
+    assert policy.dispersion.weights(policy.prior())[0] > 30
+    for _ in range(6):
+        policy.observe(99, 1, 0)
+    own = policy.stats(99).rates(policy.prior(), 4.0)[0]
+    assert own < 0.17 < policy.acceptance(99)[0] == pytest.approx(policy.prior()[0], abs=0.03)
+
+
+def test_sequences_that_differ_keep_their_own_record():
+    """Half the sequences accept 0.9, half 0.1: the spread is wide, W stays at its floor and each estimate follows
+    its sequence (the high ones draft longer)."""
+    policy = policy_with(lambda rows: 0.013 + 0.0004 * rows, {})
+    rates = {i: 0.9 if i % 2 else 0.1 for i in range(8)}
+    bernoulli_drafts(policy, rates, 60)
+    assert policy.dispersion.weights(policy.prior())[0] == pytest.approx(4.0)
+    assert policy.acceptance(1)[0] > 0.7 and policy.acceptance(2)[0] < 0.4
+    lengths = policy.choose([Candidate(i, 8) for i in (1, 2)], fixed_rows=2, num_fixed_tokens=2)
+    assert lengths[0] > lengths[1]
+
+
+def test_the_weight_starts_at_its_floor():
+    policy = DraftPolicy(8)
+    assert policy.dispersion.weights(policy.prior()) == [4.0] * 8

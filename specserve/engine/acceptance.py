@@ -9,6 +9,10 @@ from dataclasses import dataclass
 PRIOR_RUN_STEPS = 128           # the record's prior, one run this long (or as long as a sequence may still go)
 RUN_DECAY = 0.95                # the runs' record decays by this per run ended
 SHARE_DECAY = 0.99              # the share of steps drafted decays by this per step chosen
+MIN_PRIOR_WEIGHT = 4.0          # W, the method's rate's weight in a sequence's estimate, at least (in observations)
+MAX_PRIOR_WEIGHT = 64.0         # and at most
+DISPERSION_DECAY = 0.995        # the spread's record decays by this per verified draft token
+DISPERSION_SAMPLES = 32         # its (decayed) observations before W follows it
 
 
 @dataclass(slots=True)
@@ -32,11 +36,44 @@ class Acceptance:
     def decay(self, factor: float) -> None:
         self.weight *= factor
 
-    def rates(self, prior: list[float], prior_weight: float) -> list[float]:
-        """Per position, the accepted share of the counts blended with `prior` counted as prior_weight observations."""
-        w = self.weight
-        return [(acc * w + prior_weight * p) / (att * w + prior_weight)
-                for att, acc, p in zip(self.attempted, self.accepted, prior)]
+    def rates(self, prior: list[float], prior_weight: float | list[float]) -> list[float]:
+        """Per position, the accepted share of the counts blended with `prior` counted as prior_weight observations
+        (one for every position, or each its own)."""
+        w, weights = self.weight, [prior_weight] * len(prior) if isinstance(prior_weight, float) else prior_weight
+        return [(acc * w + W * p) / (att * w + W)
+                for att, acc, p, W in zip(self.attempted, self.accepted, prior, weights)]
+
+
+@dataclass(slots=True)
+class Dispersion:
+    """How much a sequence's own record says about its next draft, per position: tau^2, the spread of the sequences'
+    rates about the method's rate A, as the decayed mean of (x - A)(r - A) over verified draft tokens (x: accepted,
+    r: the sequence's own rate before it, where it holds at least one observation; r's noise is independent of x, so
+    only the spread is left). The empirical-Bayes weight of A in a sequence's estimate is then W = A(1 - A) / tau^2,
+    one draft's noise over the spread, within [MIN_PRIOR_WEIGHT, MAX_PRIOR_WEIGHT]. Where the sequences do not differ
+    a short record is noise: on sonnet prompts the draft model's first-token acceptance was 0.28 at every lag beyond
+    the next draft (correlation 0.17 at lag 1, 0.01 at 2), tau^2 0.005 and W ~39, and at W = 4 auto held 20% of its
+    steps after runs of rejections, where k=2 went on to commit 1.27 tokens a step, 6% faster than held."""
+    products: list[float]
+    counts: list[float]
+
+    @classmethod
+    def empty(cls, positions: int) -> Dispersion:
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def observe(self, seq: Acceptance, prior: list[float], num_drafted: int, num_accepted: int) -> None:
+        """Before `seq` records the draft's outcome."""
+        for j in range(min(num_accepted + 1, num_drafted)):
+            if seq.attempted[j] * seq.weight >= 1.0:
+                spread = ((j < num_accepted) - prior[j]) * (seq.accepted[j] / seq.attempted[j] - prior[j])
+                self.products[j] = self.products[j] * DISPERSION_DECAY + spread
+                self.counts[j] = self.counts[j] * DISPERSION_DECAY + 1.0
+
+    def weights(self, prior: list[float]) -> list[float]:
+        """W per position, for Acceptance.rates (MIN_PRIOR_WEIGHT until the record has DISPERSION_SAMPLES)."""
+        return [MIN_PRIOR_WEIGHT if n < DISPERSION_SAMPLES else
+                min(MAX_PRIOR_WEIGHT, max(MIN_PRIOR_WEIGHT, a * (1.0 - a) * n / max(s, 1e-12)))
+                for s, n, a in zip(self.products, self.counts, prior)]
 
 
 @dataclass(slots=True)

@@ -39,40 +39,40 @@ is plain Python over lists of floats: over numpy arrays, each call cold after th
 ms to a step at one sequence of SmolLM2, against 0.05-0.07 ms (1.3% of a 28 ms step, against 0.2%).
 
 Estimates. a_ij blends the sequence's own decayed counts with a prior, the method's running per-position rate (itself
-decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W * A_j) / (att_ij + W). A sequence's counts decay by SEQ_DECAY
-per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate returns toward the
-method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat at a_1 ~ 0.22, the
-break-even, and stayed held for the rest of the request. The costs (T, s, s_chain, P, c, d, e, h, a, r) are measured at
-start-up and corrected after every step: engine/step_costs.py. A sequence held at 0 drafts one token every PROBE_EVERY
-steps, so its estimate can recover (the explore step of a bandit); each probe in a row that lands nothing doubles the
-wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the whole context and a
-drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several percent of plain
-decoding's speed. So probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the model prices them)
-accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U(u_i), its verify row, c, d,
-and e if nothing else drafts). Exploration then costs at most that share, at any load (a budget per probe that paid only
-the probe's verify row stopped held EAGLE3 and MTP sequences from probing for good; one that ignored the catch-up cost
-the draft model 8% at 32 sequences of random text). The share itself follows what probes return: 2x the decayed rate at
-which a probe got its sequence drafted the step after, capped at 1 and floored at MIN_EXPLORE_FRACTION: on text no
-drafter predicts, every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of k=0 on its own server. A choice
-holding the whole batch at 0 is kept for up to HOLD_STEPS steps unless a probe falls due and is paid for: a held batch's
-estimates only drift, and choosing costs ~0.2 ms at 8 sequences of SmolLM2.
+decayed, starting at PRIOR_ACCEPTANCE): a_ij = (acc_ij + W_j * A_j) / (att_ij + W_j), W_j empirical Bayes's weight (4-64
+observations), one draft's noise over how far the sequences' rates spread (acceptance.Dispersion). A sequence's counts
+decay by SEQ_DECAY per draft verified and by IDLE_DECAY per step it is held at 0, so that a held sequence's estimate
+returns toward the method's rate: on sonnet prompts, 4 of 6 EAGLE3 requests whose first 4-7 drafts were rejected sat at
+a_1 ~ 0.22, the break-even, and stayed held for the rest of the request. The costs (T, s, s_chain, P, c, d, e, h, a, r)
+are measured at start-up and corrected after every step: engine/step_costs.py. A sequence held at 0 drafts one token
+every PROBE_EVERY steps, so its estimate can recover (the explore step of a bandit); each probe in a row that lands
+nothing doubles the wait, up to PROBE_EVERY << MAX_BACKOFF steps, because a probe is not free: a verify row over the
+whole context and a drafter forward, which at 32 sequences of text no drafter predicts made an idle drafter cost several
+percent of plain decoding's speed. So probes are paid from a budget: EXPLORE_SHARE of the time the steps take (as the
+model prices them) accrues as credit, and a due probe is made when the credit covers its cost (its catch-up U(u_i), its
+verify row, c, d, and e if nothing else drafts). Exploration then costs at most that share, at any load (a budget per
+probe that paid only the probe's verify row stopped held EAGLE3 and MTP sequences from probing for good; one that
+ignored the catch-up cost the draft model 8% at 32 sequences of random text). The share itself follows what probes
+return: 2x the decayed rate at which a probe got its sequence drafted the step after, capped at 1 and floored at
+MIN_EXPLORE_FRACTION: on text no drafter predicts, every probe was lost, ~1.5% of the steps' time, and auto ran 0.98x of
+k=0 on its own server. A choice holding the whole batch at 0 is kept for up to HOLD_STEPS steps unless a probe falls due
+and is paid for: a held batch's estimates only drift, and choosing costs ~0.2 ms at 8 sequences of SmolLM2.
 
 This follows the line of SpecDec++ (stop drafting where the predicted acceptance falls below what a token's verify
 costs), SVIP (draft length from the draft's own acceptance estimate, per sequence and step), BanditSpec (draft lengths
 learned online from measured rewards, with exploration) and SGLang's adaptive speculation (draft length per batch size
-from measured step times). The choice only changes what is drafted, never what is accepted: output is exact whatever
-lengths it picks."""
+from measured step times). It changes what is drafted, never what is accepted: output is exact at any lengths."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate, count
 from operator import itemgetter, mul
 
-from specserve.engine.acceptance import Acceptance, Runs, SeqStats
+from specserve.engine.acceptance import Acceptance, Dispersion, Runs, SeqStats
 from specserve.engine.step_costs import CALIBRATION_SLOTS, StepCosts
 
 PRIOR_ACCEPTANCE = 0.6          # per-position acceptance before anything is measured
-PRIOR_WEIGHT = 4.0              # W: observations the method-wide rate counts as, in a sequence's estimate
+PRIOR_WEIGHT = 4.0              # observations PRIOR_ACCEPTANCE counts as, in the method's rate
 SEQ_DECAY = 0.8                 # a sequence's counts decay by this per observation (recent text counts most)
 IDLE_DECAY = 0.9                # and by this per step it is held at 0, back toward the method's rate
 METHOD_DECAY = 0.995
@@ -111,7 +111,7 @@ class Hold:
 class DraftPolicy:
     def __init__(self, max_positions: int):
         self.max_positions = max_positions
-        self.method = Acceptance.empty(max_positions)
+        self.method, self.dispersion = Acceptance.empty(max_positions), Dispersion.empty(max_positions)
         self.seqs: dict[int, SeqStats] = {}
         self.explore_credit = 0.0                   # seconds the next probes may cost
         self.probed: set[int] = set()               # the sequences probed in the last step
@@ -130,7 +130,7 @@ class DraftPolicy:
     def acceptance(self, seq_id: int) -> list[float]:
         """a_ij for j = 1..max_positions: the sequence's own counts blended with the method's rate."""
         prior = self.prior()
-        return prior if (stats := self.seqs.get(seq_id)) is None else stats.rates(prior, PRIOR_WEIGHT)
+        return prior if (stats := self.seqs.get(seq_id)) is None else stats.rates(prior, self.dispersion.weights(prior))
 
     def prior(self) -> list[float]:
         return self.method.rates([PRIOR_ACCEPTANCE] * self.max_positions, PRIOR_WEIGHT)
@@ -156,7 +156,7 @@ class DraftPolicy:
         """choose(), whatever the hold."""
         self.end_hold()
         K, costs, prior = self.max_positions, self.costs, self.prior()
-        stats = [self.stats(c.seq_id) for c in candidates]
+        stats, weights = [self.stats(c.seq_id) for c in candidates], self.dispersion.weights(prior)
         caps = [min(c.max_tokens, K) for c in candidates]
         scale, table = costs.scale, costs.unscaled(fixed_rows + sum(caps) + 2)     # T at fixed_rows + n rows
         row = scale * (table[fixed_rows + 1] - table[fixed_rows])          # a verify row
@@ -175,7 +175,7 @@ class DraftPolicy:
         for i, (c, st, cap) in enumerate(zip(candidates, stats, caps)):
             if not cap:
                 continue
-            gains = accumulate(st.rates(prior, PRIOR_WEIGHT)[:cap], mul)
+            gains = accumulate(st.rates(prior, weights)[:cap], mul)
             share = max(row + spread[i] / cap, 1e-12) + token_cost
             tokens += [(g / (share + per_slot * slots), g, i, j, token_cost + (j == 0) * spread[i], slots)
                        for j, g, slots in zip(range(cap), gains, range(c.context + 1, c.context + cap + 1))]
@@ -290,7 +290,8 @@ class DraftPolicy:
         if num_drafted <= 0:
             return
         self.end_hold()
-        self.stats(seq_id).observe(num_drafted, num_accepted, SEQ_DECAY)
+        self.dispersion.observe(stats := self.stats(seq_id), self.prior(), num_drafted, num_accepted)
+        stats.observe(num_drafted, num_accepted, SEQ_DECAY)
         self.method.observe(num_drafted, num_accepted, METHOD_DECAY)
 
     def forget(self, seq_id: int) -> None:
