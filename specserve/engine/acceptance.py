@@ -39,7 +39,8 @@ class Acceptance:
     def rates(self, prior: list[float], prior_weight: float | list[float]) -> list[float]:
         """Per position, the accepted share of the counts blended with `prior` counted as prior_weight observations
         (one for every position, or each its own)."""
-        w, weights = self.weight, [prior_weight] * len(prior) if isinstance(prior_weight, float) else prior_weight
+        weights = [prior_weight] * len(prior) if isinstance(prior_weight, (int, float)) else prior_weight
+        w = self.weight
         return [(acc * w + W * p) / (att * w + W)
                 for att, acc, p, W in zip(self.attempted, self.accepted, prior, weights)]
 
